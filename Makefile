@@ -1,0 +1,39 @@
+# One virtual environment for everything; every target bootstraps it.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test demo lint proto proto-check bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## Run the whole test suite (unit, integration, cluster).
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+## Run the local cluster demo (etcd, masters, agents, simulated engines).
+demo: $(STAMP)
+	$(BIN)/pdcoord demo $(DEMO_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+## Regenerate the committed protobuf modules from proto/.
+proto: $(STAMP)
+	$(BIN)/python -m pdcoord.protogen
+
+## Fail when the committed generated modules differ from a fresh generation.
+proto-check: $(STAMP)
+	$(BIN)/python -m pdcoord.protogen --check
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,108 @@
+"""Command-line helpers shared by every entry point.
+
+Every flag is also settable through an environment variable named ``<PREFIX>_<FLAG>`` (upper case,
+dashes as underscores), e.g. ``--http-port`` of ``pdmaster`` is ``PDMASTER_HTTP_PORT``. The command
+line wins over the environment, the environment over the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+class EnvArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose options default to ``$PREFIX_OPTION`` when that variable is set."""
+
+    def __init__(self, *args: Any, env_prefix: str, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.env_prefix = env_prefix.upper()
+
+    def env_name(self, option: str) -> str:
+        return f"{self.env_prefix}_{option.lstrip('-').replace('-', '_').upper()}"
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        longs = [s for s in action.option_strings if s.startswith("--")]
+        if not longs or isinstance(action, argparse._HelpAction):
+            return action
+        env = self.env_name(longs[0])
+        action.help = f"{action.help or ''} [env {env}]".strip()
+        raw = os.environ.get(env)
+        if raw is not None:
+            if isinstance(action, argparse._StoreTrueAction):
+                action.default = raw.strip().lower() in {"1", "true", "yes", "on"}
+            elif isinstance(action, argparse._StoreFalseAction):
+                action.default = raw.strip().lower() not in {"1", "true", "yes", "on"}
+            else:
+                try:
+                    action.default = action.type(raw) if callable(action.type) else raw
+                except (TypeError, ValueError) as exc:
+                    self.error(f"environment variable {env} (for {longs[0]}): invalid value {raw!r}: {exc}")
+            action.required = False
+        return action
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (0-65535), got {text}")
+    return value
+
+
+def etcd_endpoints(text: str) -> list[str]:
+    """``HOST:PORT[,HOST:PORT…]`` (an ``http://`` prefix is tolerated) → ``["host:port", …]``."""
+    out: list[str] = []
+    for part in text.split(","):
+        part = part.strip().removeprefix("http://").removeprefix("https://").rstrip("/")
+        if not part:
+            continue
+        host, sep, p = part.rpartition(":")
+        if not sep or not host or not p.isdigit():
+            raise argparse.ArgumentTypeError(f"expected HOST:PORT[,HOST:PORT...], got {text!r}")
+        out.append(f"{host}:{int(p)}")
+    if not out:
+        raise argparse.ArgumentTypeError("at least one etcd endpoint is required")
+    return out
+
+
+def setup_logging(level: str, name: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def add_common_flags(parser: EnvArgumentParser) -> None:
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    return parser.parse_args(list(argv) if argv is not None else None)

@@ -1,0 +1,1 @@
+"""pdmaster package."""
