@@ -1,0 +1,3 @@
+from nodeagent.main import main
+
+main()

@@ -1,0 +1,409 @@
+"""The node agent: etcd membership watch, share slicing, one gRPC stream per master.
+
+All decisions about shares live in ``nodeagent.slicing.Slicer``; this module only moves events
+between etcd, the gRPC streams and that core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import grpc
+import grpc.aio
+from aiohttp import web
+
+from nodeagent.probe import LoadProbe, LoadSample
+from nodeagent.slicing import Slicer
+from pdcoord import __version__
+from pdcoord.etcd import EtcdClient, EtcdError, Registration, WatchCompacted
+from pdcoord.keys import Keys
+from pdcoord.v1 import coordination_pb2 as pb
+from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+GRPC_CLIENT_OPTIONS = [
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 1 << 20),
+]
+
+_ROLE = {"prefill": pb.PREFILL, "decode": pb.DECODE}
+
+
+@dataclass
+class AgentConfig:
+    etcd: list[str]
+    cluster: str
+    node_id: str
+    role: str
+    endpoint: str
+    running_max_req_size: int
+    etcd_prefix: str | None = None
+    start_args: dict[str, str] = field(default_factory=dict)
+    lease_ttl: int = 5
+    report_interval: float = 1.0
+    grace: float = 1.0
+    register_wait: float = 15.0
+    metrics_url: str | None = None
+    health_host: str = "127.0.0.1"
+    health_port: int | None = None
+    reconnect_max_backoff: float = 2.0
+    send_grant: bool = True  # False emulates an older agent (tests of compatibility)
+
+
+@dataclass
+class MasterLink:
+    master_id: str
+    address: str
+    task: asyncio.Task[None] | None = None
+    call: Any = None
+    connected: bool = False
+    send_now: asyncio.Event = field(default_factory=asyncio.Event)
+    last_ack: pb.Ack | None = None
+    sent_epoch: int = -1
+
+
+class NodeAgent:
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.keys = Keys.for_cluster(cfg.cluster, cfg.etcd_prefix)
+        self.etcd = EtcdClient(cfg.etcd)
+        self.slicer = Slicer(node_id=cfg.node_id, capacity=cfg.running_max_req_size, grace_s=cfg.grace)
+        self.links: dict[str, MasterLink] = {}
+        self.registration: Registration | None = None
+        self.incarnation = time.time_ns()
+        self.load = LoadSample()
+        self.seq = 0
+        self._kick = asyncio.Event()
+        self._stopping = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._persisted_epoch = 0
+        self._persist_wake = asyncio.Event()
+        self._http: aiohttp.ClientSession | None = None
+        self._health: web.AppRunner | None = None
+        self.ready = asyncio.Event()
+
+    # -- etcd ---------------------------------------------------------------------------------
+    def _node_value(self) -> bytes:
+        return json.dumps(
+            {
+                "node_id": self.cfg.node_id,
+                "role": self.cfg.role,
+                "endpoint": self.cfg.endpoint,
+                "running_max_req_size": self.slicer.capacity,
+                "agent_version": __version__,
+                "last_epoch": self.slicer.epoch,
+            }
+        ).encode()
+
+    async def _stored_epoch(self) -> int:
+        kv = await self.etcd.get(self.keys.epoch(self.cfg.node_id))
+        try:
+            return int(kv.value) if kv is not None else 0
+        except ValueError:
+            return 0
+
+    async def _persist_loop(self) -> None:
+        """Write the newest epoch to etcd, coalesced; a restarted agent starts above it."""
+        while True:
+            await self._persist_wake.wait()
+            self._persist_wake.clear()
+            epoch = self.slicer.epoch
+            if epoch <= self._persisted_epoch:
+                continue
+            try:
+                await self.etcd.put(self.keys.epoch(self.cfg.node_id), str(epoch))
+                if self.registration is not None:
+                    await self.registration.update(self._node_value())
+                self._persisted_epoch = epoch
+            except EtcdError as exc:
+                log.warning("could not persist epoch %d: %s; retrying", epoch, exc)
+                await asyncio.sleep(0.5)
+                self._persist_wake.set()
+
+    async def _watch_masters(self) -> None:
+        prefix = self.keys.masters_prefix
+        while True:
+            try:
+                kvs, revision = await self.etcd.get_prefix(prefix)
+                current: dict[str, str] = {}
+                for kv in kvs:
+                    mid, addr = self._parse_master(kv.key, kv.value)
+                    if mid:
+                        current[mid] = addr
+                self._set_masters(current)
+                async for ev in self.etcd.watch_prefix(prefix, start_revision=revision + 1):
+                    if ev.kind == "put":
+                        mid, addr = self._parse_master(ev.key, ev.value)
+                        if mid:
+                            current[mid] = addr
+                    else:
+                        current.pop(self.keys.id_from_key(ev.key, prefix), None)
+                    self._set_masters(current)
+            except WatchCompacted:
+                log.info("masters watch compacted; re-listing")
+            except EtcdError as exc:
+                log.warning("masters watch failed (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+
+    def _parse_master(self, key: str, value: bytes) -> tuple[str, str]:
+        mid = self.keys.id_from_key(key, self.keys.masters_prefix)
+        try:
+            addr = json.loads(value)["grpc"]
+            if not isinstance(addr, str) or ":" not in addr:
+                raise ValueError(addr)
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring master %s with unusable value %r", mid, value[:200])
+            return "", ""
+        return mid, addr
+
+    def _set_masters(self, current: dict[str, str]) -> None:
+        now, tns = time.monotonic(), time.time_ns()
+        for mid in list(self.links):
+            link = self.links[mid]
+            if mid not in current or current[mid] != link.address:
+                self._drop_link(mid)
+        for mid, addr in current.items():
+            if mid not in self.links:
+                link = MasterLink(mid, addr)
+                self.links[mid] = link
+                link.task = asyncio.create_task(self._stream(link), name=f"stream-{mid}")
+        if self.slicer.set_masters(current.keys(), now, tns):
+            self._changed()
+
+    def _drop_link(self, mid: str) -> None:
+        link = self.links.pop(mid)
+        if link.task is not None:
+            link.task.cancel()
+
+    # -- streams ------------------------------------------------------------------------------
+    def _grant(self, mid: str) -> pb.Grant | None:
+        if not self.cfg.send_grant:
+            return None
+        return pb.Grant(capacity_share=self.slicer.share_for(mid), capacity_epoch=self.slicer.epoch)
+
+    def _register_msg(self, mid: str) -> pb.AgentMessage:
+        reg = pb.Register(
+            node_id=self.cfg.node_id,
+            role=_ROLE[self.cfg.role],
+            endpoint=self.cfg.endpoint,
+            running_max_req_size=self.slicer.capacity,
+            start_args=self.cfg.start_args,
+            agent_version=__version__,
+            incarnation=self.incarnation,
+        )
+        grant = self._grant(mid)
+        if grant is not None:
+            reg.grant.CopyFrom(grant)
+        return pb.AgentMessage(register=reg)
+
+    def _report_msg(self, mid: str) -> pb.AgentMessage:
+        self.seq += 1
+        rep = pb.Report(
+            load=pb.Load(
+                running=self.load.running,
+                waiting=self.load.waiting,
+                kv_usage=self.load.kv_usage,
+                probe_ok=self.load.ok,
+            ),
+            seq=self.seq,
+        )
+        grant = self._grant(mid)
+        if grant is not None:
+            rep.grant.CopyFrom(grant)
+        return pb.AgentMessage(report=rep)
+
+    async def _stream(self, link: MasterLink) -> None:
+        backoff = 0.1
+        while not self._stopping:
+            channel = grpc.aio.insecure_channel(link.address, options=GRPC_CLIENT_OPTIONS)
+            reader: asyncio.Task[None] | None = None
+            try:
+                call = pb_grpc.NodeCoordinationStub(channel).Connect()
+                link.sent_epoch = self.slicer.epoch
+                await call.write(self._register_msg(link.master_id))
+                first = await call.read()
+                if first is grpc.aio.EOF:
+                    raise ConnectionError("master closed the stream before acknowledging Register")
+                link.last_ack = first.ack
+                link.call, link.connected = call, True
+                backoff = 0.1
+                log.info("stream to master %s (%s) up", link.master_id, link.address)
+                if self.slicer.stream_up(link.master_id, time.monotonic(), time.time_ns()):
+                    self._changed()
+                reader = asyncio.create_task(self._read_acks(link, call))
+                while True:
+                    waiter = asyncio.ensure_future(link.send_now.wait())
+                    done, _ = await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                    if reader in done:
+                        waiter.cancel()
+                        reader.result()
+                        raise ConnectionError("master closed the stream")
+                    link.send_now.clear()
+                    link.sent_epoch = self.slicer.epoch
+                    await call.write(self._report_msg(link.master_id))
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                level = logging.WARNING if exc.code() != grpc.StatusCode.UNAVAILABLE else logging.INFO
+                log.log(level, "stream to master %s: %s %s", link.master_id, exc.code().name, exc.details())
+            except (ConnectionError, grpc.aio.UsageError) as exc:
+                log.info("stream to master %s ended: %s", link.master_id, exc)
+            finally:
+                if reader is not None:
+                    reader.cancel()
+                was_up = link.connected
+                link.call, link.connected = None, False
+                if was_up and self.slicer.stream_down(link.master_id, time.monotonic(), time.time_ns()):
+                    self._changed()
+                self._kick.set()  # the grace deadline may have moved
+                await channel.close(grace=None)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.cfg.reconnect_max_backoff)
+
+    async def _read_acks(self, link: MasterLink, call: Any) -> None:
+        while True:
+            msg = await call.read()
+            if msg is grpc.aio.EOF:
+                return
+            if msg.WhichOneof("msg") == "ack":
+                link.last_ack = msg.ack
+
+    # -- control loop -------------------------------------------------------------------------
+    def _changed(self) -> None:
+        """The shares changed: report to every master at once and persist the epoch."""
+        for link in self.links.values():
+            link.send_now.set()
+        self._persist_wake.set()
+        self._kick.set()
+
+    async def _control_loop(self) -> None:
+        next_report = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if self.slicer.tick(now, time.time_ns()):
+                self._changed()
+            if now >= next_report:
+                next_report = now + self.cfg.report_interval
+                for link in self.links.values():
+                    link.send_now.set()
+            wake = next_report
+            grace = self.slicer.next_grace_deadline()
+            if grace is not None:
+                wake = min(wake, grace + 0.001)
+            self._kick.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), max(0.0, wake - time.monotonic()))
+
+    async def _probe_loop(self, probe: LoadProbe) -> None:
+        while True:
+            sample = await probe.sample()
+            changed = (sample.running, sample.waiting) != (self.load.running, self.load.waiting)
+            self.load = sample
+            if changed:
+                for link in self.links.values():
+                    link.send_now.set()
+            await asyncio.sleep(self.cfg.report_interval / 2)
+
+    # -- health -------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        return {
+            "node_id": self.cfg.node_id,
+            "role": self.cfg.role,
+            "endpoint": self.cfg.endpoint,
+            "running_max_req_size": self.slicer.capacity,
+            "epoch": self.slicer.epoch,
+            "shares": dict(self.slicer.shares),
+            "masters": {
+                mid: {
+                    "address": link.address,
+                    "connected": link.connected,
+                    "active_slots": link.last_ack.active_slots if link.last_ack else 0,
+                    "wanted_slots": link.last_ack.wanted_slots if link.last_ack else 0,
+                    "applied_epoch": link.last_ack.applied_epoch if link.last_ack else 0,
+                }
+                for mid, link in sorted(self.links.items())
+            },
+            "load": {"running": self.load.running, "waiting": self.load.waiting, "probe_ok": self.load.ok},
+        }
+
+    async def _start_health(self) -> None:
+        if self.cfg.health_port is None:
+            return
+        app = web.Application()
+
+        async def health(_r: web.Request) -> web.Response:
+            ok = self.ready.is_set() and self.registration is not None
+            return web.json_response({"ok": ok}, status=200 if ok else 503)
+
+        async def status(_r: web.Request) -> web.Response:
+            return web.json_response(self.status())
+
+        app.router.add_get("/health", health)
+        app.router.add_get("/status", status)
+        self._health = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._health.setup()
+        await web.TCPSite(self._health, self.cfg.health_host, self.cfg.health_port).start()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.etcd.connect()
+        self.slicer.restore_epoch(await self._stored_epoch())
+        self.registration = Registration(
+            self.etcd, self.keys.node(self.cfg.node_id), self._node_value, ttl=self.cfg.lease_ttl
+        )
+        await self.registration.start(wait=self.cfg.register_wait)
+        await self._start_health()
+        self._tasks.append(asyncio.create_task(self._persist_loop(), name="persist"))
+        self._tasks.append(asyncio.create_task(self._watch_masters(), name="watch-masters"))
+        self._tasks.append(asyncio.create_task(self._control_loop(), name="control"))
+        if self.cfg.metrics_url:
+            self._http = aiohttp.ClientSession()
+            probe = LoadProbe(self.cfg.metrics_url, self._http)
+            self._tasks.append(asyncio.create_task(self._probe_loop(probe), name="probe"))
+        self.ready.set()
+        log.info(
+            "agent %s (%s, capacity %d, %s) registered in cluster %s",
+            self.cfg.node_id,
+            self.cfg.role,
+            self.slicer.capacity,
+            self.cfg.endpoint,
+            self.cfg.cluster,
+        )
+        print(f"nodeagent ready node_id={self.cfg.node_id}", flush=True)
+
+    async def stop(self) -> None:
+        """Graceful stop: tell every master we leave, then revoke the lease."""
+        self._stopping = True
+        for link in list(self.links.values()):
+            if link.call is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(
+                        link.call.write(pb.AgentMessage(leaving=pb.Leaving(reason="shutdown"))), 0.5
+                    )
+                    await asyncio.wait_for(link.call.done_writing(), 0.5)
+        for task in self._tasks + [lk.task for lk in self.links.values() if lk.task is not None]:
+            task.cancel()
+        for task in self._tasks + [lk.task for lk in self.links.values() if lk.task is not None]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.registration is not None:
+            with contextlib.suppress(EtcdError):
+                await self.registration.stop(revoke=True)
+        if self._health is not None:
+            await self._health.cleanup()
+        if self._http is not None:
+            await self._http.close()
+        await self.etcd.close()

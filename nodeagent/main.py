@@ -1,0 +1,161 @@
+"""``nodeagent``: runs beside one prefill/decode server and hands its capacity to the live masters."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+
+import aiohttp
+
+from pdcoord.config import (
+    EnvArgumentParser,
+    add_common_flags,
+    etcd_endpoints,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+    setup_logging,
+)
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def build_parser() -> EnvArgumentParser:
+    p = EnvArgumentParser(prog="nodeagent", description=__doc__, env_prefix="NODEAGENT")
+    g = p.add_argument_group("cluster")
+    g.add_argument(
+        "--etcd", type=etcd_endpoints, default=["127.0.0.1:2379"], help="etcd HOST:PORT[,HOST:PORT...]"
+    )
+    g.add_argument("--cluster", default="default", help="cluster name; keys live under /pdcoord/<cluster>/")
+    g.add_argument("--etcd-prefix", default=None, help="override the etcd key prefix")
+    g.add_argument("--node-id", required=True, help="unique id of this node (e.g. the pod name)")
+    g.add_argument("--lease-ttl", type=positive_int, default=5, help="etcd lease TTL in seconds")
+    g.add_argument(
+        "--register-wait",
+        type=positive_float,
+        default=15.0,
+        help="how long to retry while another live agent holds this node id, before giving up",
+    )
+    g = p.add_argument_group("engine")
+    g.add_argument("--role", required=True, choices=["prefill", "decode"], help="role of the engine")
+    g.add_argument("--endpoint", required=True, help="engine data-plane base URL, e.g. http://10.0.0.7:30000")
+    g.add_argument(
+        "--running-max-req-size",
+        type=positive_int,
+        default=None,
+        help="engine concurrent request limit (default: max_running_requests from GET /get_server_info)",
+    )
+    g.add_argument("--bootstrap-port", type=port, default=None, help="SGLang disaggregation bootstrap port")
+    g.add_argument("--model", default=None, help="model name the engine serves")
+    g.add_argument(
+        "--start-arg",
+        type=_key_value,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra engine start argument passed to masters (repeatable)",
+    )
+    g.add_argument("--metrics-url", default=None, help="engine Prometheus URL (default: <endpoint>/metrics)")
+    g.add_argument("--no-load-probe", action="store_true", help="do not scrape the engine's /metrics")
+    g = p.add_argument_group("protocol")
+    g.add_argument("--report-interval", type=positive_float, default=1.0, help="seconds between reports")
+    g.add_argument(
+        "--grace",
+        type=positive_float,
+        default=1.0,
+        help="seconds a master's stream may be down before its share moves to the others",
+    )
+    g.add_argument(
+        "--no-grant",
+        action="store_true",
+        help="behave like an older agent that sends no grant (compatibility testing)",
+    )
+    g.add_argument("--health-host", default="0.0.0.0", help="agent health listener address")
+    g.add_argument(
+        "--health-port",
+        type=non_negative_int,
+        default=0,
+        help="serve GET /health and /status on this port (0 = off)",
+    )
+    add_common_flags(p)
+    return p
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from nodeagent.agent import AgentConfig, NodeAgent
+    from nodeagent.probe import fetch_max_running_requests
+    from pdcoord.etcd import AlreadyRegistered
+
+    capacity = args.running_max_req_size
+    if capacity is None:
+        async with aiohttp.ClientSession() as session:
+            try:
+                capacity = await fetch_max_running_requests(args.endpoint, session)
+            except RuntimeError as exc:
+                print(f"nodeagent: error: {exc}", file=sys.stderr)
+                return 2
+    start_args = dict(args.start_arg)
+    if args.bootstrap_port is not None:
+        start_args["bootstrap_port"] = str(args.bootstrap_port)
+    if args.model:
+        start_args["model"] = args.model
+    cfg = AgentConfig(
+        etcd=args.etcd,
+        cluster=args.cluster,
+        etcd_prefix=args.etcd_prefix,
+        node_id=args.node_id,
+        role=args.role,
+        endpoint=args.endpoint.rstrip("/"),
+        running_max_req_size=capacity,
+        start_args=start_args,
+        lease_ttl=args.lease_ttl,
+        report_interval=args.report_interval,
+        grace=args.grace,
+        register_wait=args.register_wait,
+        metrics_url=None
+        if args.no_load_probe
+        else (args.metrics_url or args.endpoint.rstrip("/") + "/metrics"),
+        health_host=args.health_host,
+        health_port=args.health_port or None,
+        send_grant=not args.no_grant,
+    )
+    agent = NodeAgent(cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await agent.start()
+    except AlreadyRegistered as exc:
+        print(
+            f"nodeagent: error: --node-id {args.node_id!r} is held by another live agent "
+            f"and its lease did not expire within --register-wait {args.register_wait:g}s ({exc})",
+            file=sys.stderr,
+        )
+        await agent.stop()
+        return 2
+    await stop.wait()
+    await agent.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, f"nodeagent[{args.node_id}]")
+    try:
+        sys.exit(asyncio.run(_run(args)))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

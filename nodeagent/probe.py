@@ -1,0 +1,108 @@
+"""Engine load probe: scrape the engine's Prometheus /metrics (SGLang or vLLM names)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+# metric name -> field, for both engines' naming schemes
+_NAMES = {
+    "sglang:num_running_reqs": "running",
+    "sglang:num_queue_reqs": "waiting",
+    "sglang:token_usage": "kv_usage",
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",
+}
+
+
+@dataclass
+class LoadSample:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    ok: bool = False
+
+
+def parse_metrics(text: str) -> LoadSample:
+    """Sum each known metric over its label sets (one engine may expose several series)."""
+    sums: dict[str, float] = {}
+    seen = False
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name_end = len(line)
+        for i, ch in enumerate(line):
+            if ch in "{ ":
+                name_end = i
+                break
+        field = _NAMES.get(line[:name_end])
+        if field is None:
+            continue
+        try:
+            rest = line[line.rindex("}") + 1 :].split() if "}" in line else line.split()[1:]
+            value = float(rest[0])
+        except (ValueError, IndexError):
+            continue
+        seen = True
+        if field == "kv_usage":
+            sums[field] = max(sums.get(field, 0.0), value)
+        else:
+            sums[field] = sums.get(field, 0.0) + value
+    return LoadSample(
+        running=int(sums.get("running", 0)),
+        waiting=int(sums.get("waiting", 0)),
+        kv_usage=sums.get("kv_usage", 0.0),
+        ok=seen,
+    )
+
+
+class LoadProbe:
+    def __init__(self, metrics_url: str, session: aiohttp.ClientSession, timeout: float = 0.5) -> None:
+        self.url = metrics_url
+        self.session = session
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self._warned = False
+
+    async def sample(self) -> LoadSample:
+        try:
+            async with self.session.get(self.url, timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientError(f"HTTP {resp.status}")
+                sample = parse_metrics(await resp.text())
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            if not self._warned:
+                log.warning("load probe %s failed: %s", self.url, exc)
+                self._warned = True
+            return LoadSample()
+        self._warned = False
+        return sample
+
+
+async def fetch_max_running_requests(
+    endpoint: str, session: aiohttp.ClientSession, timeout: float = 5.0
+) -> int:
+    """Read ``max_running_requests`` from the engine's ``GET /get_server_info``."""
+    url = endpoint.rstrip("/") + "/get_server_info"
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                raise ValueError(f"HTTP {resp.status}")
+            info = await resp.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        raise RuntimeError(
+            f"--running-max-req-size not given and {url} could not be read ({exc}); "
+            "pass --running-max-req-size or make the engine reachable"
+        ) from exc
+    value = info.get("max_running_requests") if isinstance(info, dict) else None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise RuntimeError(
+            f"--running-max-req-size not given and {url} has no positive integer 'max_running_requests' "
+            f"(got {value!r}); pass --running-max-req-size"
+        )
+    return value

@@ -1,0 +1,46 @@
+"""``pdcoord``: operator and developer utilities (local etcd, the local cluster demo)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from pdcoord.config import port, positive_float, setup_logging
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdcoord", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser("etcd", help="run a local single-member etcd in the foreground (development)")
+    e.add_argument("--port", type=port, default=2379, help="client port on 127.0.0.1")
+    e.add_argument("--peer-port", type=port, default=None, help="peer port (default: port + 1)")
+    e.add_argument("--data-dir", required=True, help="etcd data directory (kept across runs)")
+
+    d = sub.add_parser(
+        "demo",
+        help="run a local cluster (etcd, 2 masters, engines with agents), load it, kill a master, summarise",
+    )
+    d.add_argument("--duration", type=positive_float, default=30.0, help="seconds of client load")
+    d.add_argument("--keep", action="store_true", help="leave the cluster running and print how to reach it")
+    d.add_argument("--seed", type=int, default=1, help="workload random seed")
+    d.add_argument("--log-dir", default=None, help="where process logs go (default: a temp dir)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command == "etcd":
+        from pdcoord.etcd_server import run_foreground
+
+        sys.exit(run_foreground(args.port, args.data_dir, peer_port=args.peer_port))
+    if args.command == "demo":
+        setup_logging("warning", "pdcoord-demo")
+        from pdcoord.demo import run_demo
+
+        sys.exit(run_demo(args))
+
+
+if __name__ == "__main__":
+    main()

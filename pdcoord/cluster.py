@@ -1,0 +1,213 @@
+"""A local pdcoord cluster made of real processes: etcd, masters, agents and simulated engines.
+
+Used by the demo, the integration tests and the benchmarks, so that all three exercise exactly
+the same processes and flags an operator would run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcoord.launcher import ManagedProcess, ProcessGroup
+from pdcoord.netutil import free_port
+
+
+def http_json(url: str, timeout: float = 2.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _flags(extra: dict[str, object] | None) -> list[str]:
+    out: list[str] = []
+    for key, value in (extra or {}).items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+@dataclass
+class Master:
+    master_id: str
+    http_port: int
+    grpc_port: int
+    proc: ManagedProcess
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def admission(self, timeout: float = 2.0) -> dict[str, Any]:
+        result: dict[str, Any] = http_json(self.url + "/admission", timeout)
+        return result
+
+    def shares(self) -> dict[str, int]:
+        """node_id -> effective share this master holds (0 when the stream is down)."""
+        return {n["node_id"]: int(n["effective_share"]) for n in self.admission()["nodes"]}
+
+
+@dataclass
+class Agent:
+    node_id: str
+    role: str
+    endpoint: str
+    capacity: int | None
+    proc: ManagedProcess
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class Engine:
+    name: str
+    role: str
+    port: int
+    bootstrap_port: int
+    capacity: int
+    proc: ManagedProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class LocalCluster:
+    """Starts and tracks the processes of one cluster name on one etcd."""
+
+    def __init__(
+        self, group: ProcessGroup, etcd_endpoint: str, cluster: str, *, python: str = sys.executable
+    ):
+        self.group = group
+        self.etcd = etcd_endpoint
+        self.cluster = cluster
+        self.python = python
+        self.masters: dict[str, Master] = {}
+        self.agents: dict[str, Agent] = {}
+        self.engines: dict[str, Engine] = {}
+
+    def _module(self, module: str) -> list[str]:
+        return [self.python, "-m", module]
+
+    # -- masters ------------------------------------------------------------------------------
+    def start_master(self, master_id: str, *, wait: bool = True, **extra: object) -> Master:
+        prev = self.masters.get(master_id)
+        http_port = prev.http_port if prev else free_port()
+        grpc_port = prev.grpc_port if prev else free_port()
+        argv = self._module("pdmaster") + [
+            "--etcd", self.etcd, "--cluster", self.cluster, "--master-id", master_id,
+            "--http-host", "127.0.0.1", "--http-port", str(http_port),
+            "--grpc-host", "127.0.0.1", "--grpc-port", str(grpc_port),
+            *_flags(extra),
+        ]  # fmt: skip
+        proc = self.group.start(
+            f"master-{master_id}", argv, ready=f"http://127.0.0.1:{http_port}/health" if wait else None
+        )
+        master = Master(master_id, http_port, grpc_port, proc, dict(extra))
+        self.masters[master_id] = master
+        return master
+
+    def restart_master(self, master_id: str) -> Master:
+        old = self.masters[master_id]
+        return self.start_master(master_id, **old.extra)
+
+    # -- agents -------------------------------------------------------------------------------
+    def start_agent(
+        self,
+        node_id: str,
+        role: str,
+        *,
+        endpoint: str | None = None,
+        capacity: int | None = None,
+        wait: bool = True,
+        **extra: object,
+    ) -> Agent:
+        endpoint = endpoint or f"http://127.0.0.1:{free_port()}"
+        argv = self._module("nodeagent") + [
+            "--etcd", self.etcd, "--cluster", self.cluster, "--node-id", node_id,
+            "--role", role, "--endpoint", endpoint,
+            *([] if capacity is None else ["--running-max-req-size", str(capacity)]),
+            *_flags(extra),
+        ]  # fmt: skip
+        health = free_port()
+        argv += ["--health-host", "127.0.0.1", "--health-port", str(health)]
+        proc = self.group.start(
+            f"agent-{node_id}", argv, ready=f"http://127.0.0.1:{health}/health" if wait else None
+        )
+        agent = Agent(node_id, role, endpoint, capacity, proc, dict(extra))
+        self.agents[node_id] = agent
+        return agent
+
+    def restart_agent(self, node_id: str) -> Agent:
+        a = self.agents[node_id]
+        return self.start_agent(a.node_id, a.role, endpoint=a.endpoint, capacity=a.capacity, **a.extra)
+
+    # -- engines ------------------------------------------------------------------------------
+    def start_engine(
+        self, name: str, role: str, capacity: int, *, fast: bool = True, **extra: object
+    ) -> Engine:
+        port = free_port()
+        bootstrap = free_port()
+        argv = self._module("pdsim") + [
+            "--role", role, "--host", "127.0.0.1", "--port", str(port),
+            "--running-max-req-size", str(capacity), "--bootstrap-port", str(bootstrap),
+            *(["--fast"] if fast else []), *_flags(extra),
+        ]  # fmt: skip
+        proc = self.group.start(f"engine-{name}", argv, ready=f"http://127.0.0.1:{port}/health")
+        engine = Engine(name, role, port, bootstrap, capacity, proc)
+        self.engines[name] = engine
+        return engine
+
+    def start_node(
+        self, name: str, role: str, capacity: int, *, fast: bool = True, **agent_extra: object
+    ) -> Engine:
+        """An engine and its agent, the way a GPU pod runs them."""
+        engine = self.start_engine(name, role, capacity, fast=fast)
+        agent_extra.setdefault("bootstrap_port", engine.bootstrap_port)
+        self.start_agent(name, role, endpoint=engine.url, capacity=capacity, **agent_extra)
+        return engine
+
+    # -- observation --------------------------------------------------------------------------
+    def share_table(self) -> dict[str, dict[str, int]]:
+        """master_id -> node_id -> effective share, for the live masters."""
+        table: dict[str, dict[str, int]] = {}
+        for mid, m in self.masters.items():
+            if not m.proc.alive:
+                continue
+            try:
+                table[mid] = m.shares()
+            except (urllib.error.URLError, OSError, ValueError):
+                continue
+        return table
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> float:
+        """Poll until predicate() holds; returns the seconds it took, raises TimeoutError otherwise."""
+        start = time.monotonic()
+        last_exc: BaseException | None = None
+        while True:
+            try:
+                if predicate():
+                    return time.monotonic() - start
+            except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+                last_exc = exc
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(f"condition not met within {timeout:.1f}s (last error: {last_exc})")
+            time.sleep(interval)
+
+    def full_capacity_held(self, masters: Iterable[str], capacities: dict[str, int]) -> bool:
+        """Every node's capacity is split among exactly ``masters`` and sums to its capacity."""
+        table = self.share_table()
+        names = list(masters)
+        if any(m not in table for m in names):
+            return False
+        return all(sum(table[m].get(node, 0) for m in names) == cap for node, cap in capacities.items())

@@ -1,0 +1,3 @@
+from pdmaster.main import main
+
+main()

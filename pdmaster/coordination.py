@@ -1,0 +1,148 @@
+"""gRPC adapter for NodeCoordination.Connect: turns stream messages into NodeRegistry calls."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import grpc.aio
+
+from pdcoord.v1 import coordination_pb2 as pb
+from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
+from pdmaster.metrics import MasterMetrics
+from pdmaster.registry import DECODE, PREFILL, Load, NodeRegistry, ProtocolError
+
+log = logging.getLogger(__name__)
+
+_ROLES = {pb.PREFILL: PREFILL, pb.DECODE: DECODE}
+
+# (active_slots, wanted_slots) this master holds/wants on a node, for the Ack.
+SlotsProvider = Callable[[str], tuple[int, int]]
+
+
+def _no_slots(_node_id: str) -> tuple[int, int]:
+    return 0, 0
+
+
+class CoordinationService(pb_grpc.NodeCoordinationServicer):
+    def __init__(
+        self,
+        master_id: str,
+        registry: NodeRegistry,
+        metrics: MasterMetrics,
+        *,
+        slots: SlotsProvider = _no_slots,
+        max_reports_per_s: float = 50.0,
+    ) -> None:
+        self.master_id = master_id
+        self.registry = registry
+        self.metrics = metrics
+        self.slots = slots
+        self.max_reports_per_s = max_reports_per_s
+        self.draining = False
+
+    def _ack(self, node_id: str, epoch: int, seq: int) -> pb.MasterMessage:
+        active, wanted = self.slots(node_id)
+        return pb.MasterMessage(
+            ack=pb.Ack(
+                master_id=self.master_id,
+                applied_epoch=epoch,
+                active_slots=active,
+                wanted_slots=wanted,
+                seq=seq,
+            )
+        )
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, code: str, message: str) -> None:
+        self.metrics.protocol_rejections.labels(reason=code.lower()).inc()
+        log.warning("refusing node stream: %s", message)
+        await context.abort(getattr(grpc.StatusCode, code), message)
+
+    async def Connect(
+        self, request_iterator: AsyncIterator[pb.AgentMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.MasterMessage]:
+        if self.draining:
+            await self._refuse(context, "UNAVAILABLE", f"master {self.master_id} is draining")
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            return
+        if first.WhichOneof("msg") != "register":
+            await self._refuse(
+                context,
+                "INVALID_ARGUMENT",
+                f"first message must be Register, got {first.WhichOneof('msg') or 'an empty message'}",
+            )
+        reg = first.register
+        grant = (reg.grant.capacity_share, reg.grant.capacity_epoch) if reg.HasField("grant") else None
+        try:
+            node, stream = self.registry.register(
+                node_id=reg.node_id,
+                role=_ROLES.get(reg.role, "unspecified"),
+                endpoint=reg.endpoint,
+                running_max_req_size=reg.running_max_req_size,
+                start_args=dict(reg.start_args),
+                agent_version=reg.agent_version,
+                incarnation=reg.incarnation,
+                grant=grant,
+            )
+        except ProtocolError as exc:
+            await self._refuse(context, exc.code, exc.message)
+            return
+        node_id = node.node_id
+        log.info(
+            "node %s (%s, %s) connected: share %d epoch %d%s",
+            node_id,
+            node.role,
+            node.endpoint,
+            node.share,
+            node.epoch,
+            " (legacy agent: full capacity)" if node.legacy else "",
+        )
+        self.metrics.observe_node(self.registry, node_id)
+        try:
+            yield self._ack(node_id, node.epoch, 0)
+            window_start, in_window = time.monotonic(), 0
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("msg")
+                if kind == "leaving":
+                    log.info("node %s leaving: %s", node_id, msg.leaving.reason or "no reason given")
+                    return
+                if kind == "register":
+                    await self._refuse(context, "INVALID_ARGUMENT", f"node {node_id}: Register sent twice")
+                    return
+                if kind != "report":
+                    continue  # a message kind from a newer agent: ignore, stay compatible
+                now = time.monotonic()
+                if now - window_start >= 1.0:
+                    window_start, in_window = now, 0
+                in_window += 1
+                if in_window > self.max_reports_per_s:
+                    await self._refuse(
+                        context,
+                        "RESOURCE_EXHAUSTED",
+                        f"node {node_id}: more than {self.max_reports_per_s:g} reports per second",
+                    )
+                    return
+                rep = msg.report
+                self.registry.report_load(
+                    node_id,
+                    stream,
+                    Load(rep.load.running, rep.load.waiting, rep.load.kv_usage, rep.load.probe_ok),
+                    now,
+                )
+                if rep.HasField("grant"):
+                    try:
+                        self.registry.apply_grant(
+                            node_id, stream, rep.grant.capacity_share, rep.grant.capacity_epoch
+                        )
+                    except ProtocolError as exc:
+                        await self._refuse(context, exc.code, exc.message)
+                        return
+                self.metrics.observe_node(self.registry, node_id)
+                yield self._ack(node_id, self.registry.nodes[node_id].epoch, rep.seq)
+        finally:
+            self.registry.disconnect(node_id, stream)
+            self.metrics.observe_node(self.registry, node_id)
+            log.info("node %s stream closed", node_id)

@@ -1,0 +1,99 @@
+"""``pdmaster``: an active-active PD master (router) with exact decode admission."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from pdcoord.config import (
+    EnvArgumentParser,
+    add_common_flags,
+    etcd_endpoints,
+    port,
+    positive_float,
+    positive_int,
+    setup_logging,
+)
+
+
+def build_parser() -> EnvArgumentParser:
+    p = EnvArgumentParser(prog="pdmaster", description=__doc__, env_prefix="PDMASTER")
+    g = p.add_argument_group("cluster")
+    g.add_argument(
+        "--etcd", type=etcd_endpoints, default=["127.0.0.1:2379"], help="etcd HOST:PORT[,HOST:PORT...]"
+    )
+    g.add_argument("--cluster", default="default", help="cluster name; keys live under /pdcoord/<cluster>/")
+    g.add_argument("--etcd-prefix", default=None, help="override the etcd key prefix")
+    g.add_argument("--master-id", required=True, help="unique id of this master (e.g. the pod name)")
+    g.add_argument("--lease-ttl", type=positive_int, default=5, help="etcd lease TTL in seconds")
+    g.add_argument(
+        "--drain-timeout",
+        type=positive_float,
+        default=10.0,
+        help="seconds to wait for in-flight requests on SIGTERM before revoking the lease",
+    )
+    g = p.add_argument_group("listeners")
+    g.add_argument("--http-host", default="0.0.0.0", help="HTTP API listen address")
+    g.add_argument("--http-port", type=port, default=8000, help="HTTP API port (0 = any free port)")
+    g.add_argument("--grpc-host", default="0.0.0.0", help="gRPC NodeCoordination listen address")
+    g.add_argument("--grpc-port", type=port, default=50051, help="gRPC port (0 = any free port)")
+    g.add_argument(
+        "--advertise-host",
+        default=None,
+        help="address agents use to reach this master's gRPC port (default: --grpc-host)",
+    )
+    g = p.add_argument_group("limits")
+    g.add_argument(
+        "--max-node-capacity",
+        type=positive_int,
+        default=4096,
+        help="refuse agents whose running_max_req_size is above this",
+    )
+    g.add_argument("--max-nodes", type=positive_int, default=10_000, help="most nodes this master tracks")
+    g.add_argument(
+        "--max-reports-per-s",
+        type=positive_float,
+        default=50.0,
+        help="refuse an agent stream that sends more reports per second",
+    )
+    g.add_argument(
+        "--max-body-bytes", type=positive_int, default=4 * 1024 * 1024, help="largest request body"
+    )
+    g.add_argument("--max-n", type=positive_int, default=16, help="largest n (choices) per request")
+    g = p.add_argument_group("data plane")
+    g.add_argument(
+        "--engine-protocol",
+        choices=["sglang", "vllm"],
+        default="sglang",
+        help="PD protocol spoken to the prefill/decode servers",
+    )
+    g.add_argument("--model", default=None, help="model name served; requests naming another get 404")
+    g.add_argument(
+        "--disable-decode-capacity-limit",
+        "--disable_pd_master_decode_capacity_limit",
+        dest="disable_decode_capacity_limit",
+        action="store_true",
+        help="bypass decode admission entirely (old behaviour)",
+    )
+    add_common_flags(p)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, f"pdmaster[{args.master_id}]")
+    from pdmaster.server import MasterServer, StartupError
+
+    server = MasterServer(args)
+    try:
+        asyncio.run(server.serve_forever())
+    except StartupError as exc:
+        print(f"pdmaster: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

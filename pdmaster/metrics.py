@@ -1,0 +1,66 @@
+"""Prometheus instruments of the master's control plane (one registry per master)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from pdmaster.registry import NodeRegistry
+
+
+class MasterMetrics:
+    def __init__(self, registry: CollectorRegistry, master_id: str) -> None:
+        self.registry = registry
+        self.info = Gauge(
+            "pdcoord_master_info",
+            "Constant 1, labelled with this master's id",
+            ["master_id"],
+            registry=registry,
+        )
+        self.info.labels(master_id=master_id).set(1)
+        self.capacity = Gauge(
+            "pdcoord_decode_capacity_slots",
+            "Sum of this master's decode shares over nodes with a live stream",
+            registry=registry,
+        )
+        self.node_share = Gauge(
+            "pdcoord_node_share_slots", "This master's share on a node", ["node", "role"], registry=registry
+        )
+        self.node_epoch = Gauge(
+            "pdcoord_node_epoch", "Capacity epoch held for a node", ["node"], registry=registry
+        )
+        self.node_connected = Gauge(
+            "pdcoord_node_connected", "1 while the node's agent stream is up", ["node"], registry=registry
+        )
+        self.streams = Gauge("pdcoord_node_streams", "Live agent streams", registry=registry)
+        self.stale_reports = Counter(
+            "pdcoord_stale_reports",
+            "Grants ignored because their epoch was lower than the one held",
+            registry=registry,
+        )
+        self.protocol_rejections = Counter(
+            "pdcoord_protocol_rejections",
+            "Agent streams refused, by gRPC status",
+            ["reason"],
+            registry=registry,
+        )
+        self._stale_seen = 0
+        self._known: set[str] = set()
+
+    def observe_node(self, reg: NodeRegistry, node_id: str) -> None:
+        """Mirror one node's entry and the totals: O(1) per agent message."""
+        node = reg.nodes.get(node_id)
+        self.capacity.set(reg.capacity)
+        self.streams.set(reg.connected_streams)
+        if node is None:
+            if node_id in self._known:
+                self._known.discard(node_id)
+                for g in (self.node_epoch, self.node_connected):
+                    g.remove(node_id)
+            return
+        self._known.add(node_id)
+        self.node_share.labels(node=node.node_id, role=node.role).set(node.effective_share)
+        self.node_epoch.labels(node=node.node_id).set(node.epoch)
+        self.node_connected.labels(node=node.node_id).set(1 if node.connected else 0)
+        if reg.stale_total > self._stale_seen:
+            self.stale_reports.inc(reg.stale_total - self._stale_seen)
+            self._stale_seen = reg.stale_total

@@ -1,0 +1,267 @@
+"""The master's node registry: the pure core behind the gRPC NodeCoordination service.
+
+It applies the protocol rules of DESIGN §5 (what a stream may register, which grants are taken,
+which are stale or contradictory) and derives this master's decode shares. No I/O: the gRPC
+adapter feeds it messages and turns its verdicts into statuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+
+class ProtocolError(Exception):
+    """A message the master refuses; ``code`` names the gRPC status the adapter answers with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class GrantResult(Enum):
+    APPLIED = "applied"
+    UNCHANGED = "unchanged"  # same epoch and share: a heartbeat
+    STALE = "stale"  # lower epoch than held: ignored and counted
+
+
+@dataclass
+class Load:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    probe_ok: bool = False
+
+
+@dataclass
+class Node:
+    node_id: str
+    role: str
+    endpoint: str
+    running_max_req_size: int
+    start_args: dict[str, str] = field(default_factory=dict)
+    agent_version: str = ""
+    incarnation: int = 0
+    # An agent that sends no grant (older agent) grants its full capacity (old single-master behaviour).
+    legacy: bool = False
+    share: int = 0
+    epoch: int = 0
+    connected: bool = False
+    stream: int = 0  # token of the stream that owns this entry
+    load: Load = field(default_factory=Load)
+    stale_reports: int = 0
+    last_report_at: float = 0.0
+
+    @property
+    def effective_share(self) -> int:
+        """What this master may use on the node now: nothing without a live stream."""
+        return self.share if self.connected else 0
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "node_id": self.node_id,
+            "role": self.role,
+            "endpoint": self.endpoint,
+            "running_max_req_size": self.running_max_req_size,
+            "share": self.share,
+            "effective_share": self.effective_share,
+            "epoch": self.epoch,
+            "connected": self.connected,
+            "legacy": self.legacy,
+            "agent_version": self.agent_version,
+            "start_args": dict(self.start_args),
+            "stale_reports": self.stale_reports,
+            "load": {
+                "running": self.load.running,
+                "waiting": self.load.waiting,
+                "kv_usage": self.load.kv_usage,
+                "probe_ok": self.load.probe_ok,
+            },
+        }
+
+
+SharesListener = Callable[[Mapping[str, int]], None]
+
+
+class NodeRegistry:
+    """Nodes known to this master, keyed by node id, and the decode shares derived from them."""
+
+    def __init__(self, *, max_node_capacity: int = 4096, max_nodes: int = 10_000) -> None:
+        self.max_node_capacity = max_node_capacity
+        self.max_nodes = max_nodes
+        self.nodes: dict[str, Node] = {}
+        self._next_stream = 0
+        self._listeners: list[SharesListener] = []
+        self._decode_shares: dict[str, int] = {}
+        self.stale_total = 0
+        self._connected = 0
+        self._capacity = 0
+
+    # -- subscription -------------------------------------------------------------------------
+    def subscribe(self, listener: SharesListener) -> None:
+        """Call ``listener(decode_shares)`` now and whenever an effective decode share changes."""
+        self._listeners.append(listener)
+        listener(dict(self._decode_shares))
+
+    def decode_shares(self) -> dict[str, int]:
+        return dict(self._decode_shares)
+
+    @property
+    def connected_streams(self) -> int:
+        return self._connected
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def _publish(self) -> None:
+        shares = {
+            n.node_id: n.effective_share
+            for n in self.nodes.values()
+            if n.role == DECODE and n.effective_share > 0
+        }
+        if shares == self._decode_shares:
+            return  # epoch-only or load-only changes never disturb admission
+        self._decode_shares = shares
+        self._capacity = sum(shares.values())
+        for listener in self._listeners:
+            listener(dict(shares))
+
+    # -- protocol -----------------------------------------------------------------------------
+    def register(
+        self,
+        *,
+        node_id: str,
+        role: str,
+        endpoint: str,
+        running_max_req_size: int,
+        start_args: Mapping[str, str] | None = None,
+        agent_version: str = "",
+        incarnation: int = 0,
+        grant: tuple[int, int] | None = None,
+    ) -> tuple[Node, int]:
+        """Admit a new stream's Register; returns the node and the stream token."""
+        if not node_id or len(node_id) > 253:
+            raise ProtocolError("INVALID_ARGUMENT", "Register.node_id must be 1-253 characters")
+        if role not in (PREFILL, DECODE):
+            raise ProtocolError(
+                "INVALID_ARGUMENT", f"node {node_id}: Register.role must be PREFILL or DECODE"
+            )
+        if not endpoint.startswith(("http://", "https://")):
+            raise ProtocolError(
+                "INVALID_ARGUMENT",
+                f"node {node_id}: Register.endpoint must be an http(s) URL, got {endpoint!r}",
+            )
+        if running_max_req_size <= 0:
+            raise ProtocolError(
+                "INVALID_ARGUMENT", f"node {node_id}: Register.running_max_req_size must be positive"
+            )
+        if running_max_req_size > self.max_node_capacity:
+            raise ProtocolError(
+                "OUT_OF_RANGE",
+                f"node {node_id}: running_max_req_size {running_max_req_size} exceeds this master's "
+                f"--max-node-capacity {self.max_node_capacity}",
+            )
+        old = self.nodes.get(node_id)
+        if old is not None and old.connected:
+            raise ProtocolError(
+                "ALREADY_EXISTS", f"node_id {node_id!r} is already held by another live stream on this master"
+            )
+        if old is None and len(self.nodes) >= self.max_nodes:
+            raise ProtocolError("RESOURCE_EXHAUSTED", f"this master already tracks {self.max_nodes} nodes")
+        self._next_stream += 1
+        node = Node(
+            node_id=node_id,
+            role=role,
+            endpoint=endpoint.rstrip("/"),
+            running_max_req_size=running_max_req_size,
+            start_args=dict(start_args or {}),
+            agent_version=agent_version,
+            incarnation=incarnation,
+            connected=True,
+            stream=self._next_stream,
+        )
+        if grant is None:
+            node.legacy = True
+            node.share = running_max_req_size
+        else:
+            share, epoch = grant
+            self._check_share(node, share)
+            node.share, node.epoch = share, epoch
+            # A reconnect must not move the epoch backwards: keep what we held if it was higher.
+            if old is not None and old.epoch > epoch:
+                node.share, node.epoch = 0, old.epoch
+                node.stale_reports = old.stale_reports + 1
+                self.stale_total += 1
+        if old is not None:
+            node.stale_reports = max(node.stale_reports, old.stale_reports)
+        self.nodes[node_id] = node
+        self._connected += 1
+        self._publish()
+        return node, node.stream
+
+    def _check_share(self, node: Node, share: int) -> None:
+        if share < 0 or share > node.running_max_req_size:
+            raise ProtocolError(
+                "INVALID_ARGUMENT",
+                f"node {node.node_id}: grant share {share} outside 0..{node.running_max_req_size}",
+            )
+
+    def apply_grant(self, node_id: str, stream: int, share: int, epoch: int) -> GrantResult:
+        node = self._owned(node_id, stream)
+        self._check_share(node, share)
+        if epoch < node.epoch:
+            node.stale_reports += 1
+            self.stale_total += 1
+            return GrantResult.STALE
+        if epoch == node.epoch:
+            if share != node.share:
+                raise ProtocolError(
+                    "FAILED_PRECONDITION",
+                    f"node {node_id}: epoch {epoch} already granted share {node.share}, now {share}",
+                )
+            return GrantResult.UNCHANGED
+        if node.legacy:
+            node.legacy = False
+        node.share, node.epoch = share, epoch
+        self._publish()
+        return GrantResult.APPLIED
+
+    def report_load(self, node_id: str, stream: int, load: Load, now: float) -> None:
+        node = self._owned(node_id, stream)
+        node.load = load
+        node.last_report_at = now
+
+    def disconnect(self, node_id: str, stream: int) -> None:
+        """The stream ended: the node's share counts as 0 at once, until it re-registers."""
+        node = self.nodes.get(node_id)
+        if node is None or node.stream != stream:
+            return
+        node.connected = False
+        self._connected -= 1
+        self._publish()
+
+    def forget(self, node_id: str) -> None:
+        """Drop a disconnected node entirely (its etcd key is gone)."""
+        node = self.nodes.get(node_id)
+        if node is not None and not node.connected:
+            del self.nodes[node_id]
+            self._publish()
+
+    def _owned(self, node_id: str, stream: int) -> Node:
+        node = self.nodes.get(node_id)
+        if node is None or node.stream != stream or not node.connected:
+            raise ProtocolError("FAILED_PRECONDITION", f"stream does not own node {node_id!r}")
+        return node
+
+    # -- views --------------------------------------------------------------------------------
+    def live(self, role: str) -> list[Node]:
+        return [n for n in self.nodes.values() if n.role == role and n.effective_share > 0]
+
+    def snapshot(self) -> list[dict[str, object]]:
+        return [n.as_json() for n in sorted(self.nodes.values(), key=lambda n: n.node_id)]

@@ -1,0 +1,182 @@
+"""Assembles one master: etcd registration, the gRPC NodeCoordination server, the HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import time
+from typing import Any
+
+import grpc
+import grpc.aio
+from aiohttp import web
+from pdcoord.etcd import AlreadyRegistered, EtcdClient, Registration
+from prometheus_client import CollectorRegistry
+
+from pdcoord import __version__
+from pdcoord.keys import Keys
+from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
+from pdmaster.coordination import CoordinationService
+from pdmaster.http_api import ControlRoutes
+from pdmaster.metrics import MasterMetrics
+from pdmaster.registry import NodeRegistry
+
+log = logging.getLogger(__name__)
+
+# Keep-alive so a dead agent is noticed within ~2 s even when it sends nothing.
+GRPC_SERVER_OPTIONS = [
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 500),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 1 << 20),
+    ("grpc.max_send_message_length", 1 << 20),
+]
+
+
+class StartupError(Exception):
+    """A reason the master cannot start, phrased for the operator."""
+
+
+class MasterServer:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.master_id: str = args.master_id
+        self.keys = Keys.for_cluster(args.cluster, args.etcd_prefix)
+        self.metrics_registry = CollectorRegistry()
+        self.metrics = MasterMetrics(self.metrics_registry, self.master_id)
+        self.registry = NodeRegistry(max_node_capacity=args.max_node_capacity, max_nodes=args.max_nodes)
+        self.coordination = CoordinationService(
+            self.master_id, self.registry, self.metrics, max_reports_per_s=args.max_reports_per_s
+        )
+        self.draining = False
+        self.etcd = EtcdClient(args.etcd)
+        self.registration: Registration | None = None
+        self.grpc_server: grpc.aio.Server | None = None
+        self.http_runner: web.AppRunner | None = None
+        self.grpc_port = 0
+        self.http_port = 0
+        self._stop = asyncio.Event()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def admission_snapshot(self) -> dict[str, Any]:
+        return {"active": 0}
+
+    def in_flight(self) -> int:
+        return 0
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.args.max_body_bytes)
+        ControlRoutes(
+            master_id=self.master_id,
+            registry=self.registry,
+            metrics_registry=self.metrics_registry,
+            admission_snapshot=self.admission_snapshot,
+            is_draining=lambda: self.draining,
+        ).install(app)
+        return app
+
+    async def start(self) -> None:
+        args = self.args
+        self.grpc_server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
+        pb_grpc.add_NodeCoordinationServicer_to_server(self.coordination, self.grpc_server)
+        self.grpc_port = self.grpc_server.add_insecure_port(f"{args.grpc_host}:{args.grpc_port}")
+        if self.grpc_port == 0:
+            raise StartupError(f"--grpc-port: cannot listen on {args.grpc_host}:{args.grpc_port}")
+        await self.grpc_server.start()
+
+        self.http_runner = web.AppRunner(self.build_app(), access_log=None, handle_signals=False)
+        await self.http_runner.setup()
+        site = web.TCPSite(self.http_runner, args.http_host, args.http_port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise StartupError(
+                f"--http-port: cannot listen on {args.http_host}:{args.http_port}: {exc}"
+            ) from exc
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.http_port = sockets[0].getsockname()[1] if sockets else args.http_port
+
+        await self.etcd.connect()
+        advertise = args.advertise_host or args.grpc_host
+        value = json.dumps(
+            {
+                "master_id": self.master_id,
+                "grpc": f"{advertise}:{self.grpc_port}",
+                "http": f"http://{advertise}:{self.http_port}",
+                "version": __version__,
+                "started_at": time.time(),
+            }
+        ).encode()
+        self.registration = Registration(
+            self.etcd, self.keys.master(self.master_id), value, ttl=args.lease_ttl
+        )
+        try:
+            await self.registration.start()
+        except AlreadyRegistered as exc:
+            raise StartupError(
+                f"--master-id {self.master_id!r} is live in etcd under another lease; "
+                f"refusing to start a second master with the same id ({exc})"
+            ) from exc
+        log.info(
+            "master %s ready: http %s:%d grpc %s:%d (advertised %s), cluster %s",
+            self.master_id,
+            args.http_host,
+            self.http_port,
+            args.grpc_host,
+            self.grpc_port,
+            advertise,
+            args.cluster,
+        )
+        print(
+            f"pdmaster ready master_id={self.master_id} "
+            f"http_port={self.http_port} grpc_port={self.grpc_port}",
+            flush=True,
+        )
+
+    async def drain(self) -> None:
+        """Stop taking new work, let in-flight requests finish, then give the shares back."""
+        if self.draining:
+            return
+        self.draining = True
+        self.coordination.draining = True
+        deadline = time.monotonic() + self.args.drain_timeout
+        while self.in_flight() > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.in_flight()
+        if left:
+            log.warning("drain timeout: %d requests still in flight", left)
+        if self.registration is not None:
+            # Revoking deletes masters/<id> at once: agents re-slice without waiting for a TTL.
+            await self.registration.stop(revoke=True)
+            self.registration = None
+
+    async def close(self) -> None:
+        try:
+            await self.drain()
+        except Exception:  # etcd may be gone; the lease then expires by itself
+            log.exception("drain failed")
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace=0.5)
+        if self.http_runner is not None:
+            await self.http_runner.cleanup()
+        await self.etcd.close()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def serve_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        try:
+            await self.start()
+            await self._stop.wait()
+            log.info("master %s: stop requested, draining", self.master_id)
+        finally:
+            await self.close()
