@@ -1,0 +1,877 @@
+"""A small async etcd adapter (over etcd3aio) with the few operations pdcoord needs.
+
+Everything etcd-specific that masters and agents use goes through :class:`EtcdClient`,
+:class:`LeaseKeeper` and :class:`Registration`, so the client library could be swapped by
+rewriting this one module. Errors from the library and from gRPC are re-raised as
+:class:`EtcdError` (or :class:`EtcdUnavailable` when etcd cannot be reached), naming the endpoints.
+
+Two things are implemented here rather than taken from etcd3aio, on purpose:
+
+* the prefix watch tracks the revision of the last *event* it delivered and resumes from the next
+  one, so a reconnect never skips events (etcd3aio resumes from the response header revision, which
+  for the creation response and for catch-up batches is ahead of the events actually delivered);
+* lease keep-alive runs its own loop that keeps retrying through an outage and reports a lost lease
+  (etcd3aio's ``LeaseKeepalive`` stops silently).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, NoReturn
+
+import etcd3aio
+import grpc
+import grpc.aio
+from etcd3aio import Etcd3Client, prefix_range_end
+from etcd3aio._protobuf import (
+    Compare,
+    LeaseKeepAliveRequest,
+    LeaseStub,
+    WatchCreateRequest,
+    WatchRequest,
+    WatchStub,
+)
+from etcd3aio.kv import KVService
+
+_log = logging.getLogger(__name__)
+
+# gRPC's default channel reconnect backoff grows to 120 s; after an etcd outage we want the channel
+# back within half a second so that watches resume and membership converges quickly.
+_CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
+WATCH_BACKOFF_INITIAL = 0.05
+WATCH_BACKOFF_MAX = 0.5
+_FATAL_CODES = (
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.UNIMPLEMENTED,
+)
+
+
+class EtcdError(Exception):
+    """Any failure talking to etcd."""
+
+
+class EtcdUnavailable(EtcdError):
+    """etcd did not answer (down, unreachable, or timed out)."""
+
+
+class LeaseNotFound(EtcdError):
+    """The lease named in a request no longer exists (expired or revoked)."""
+
+
+class WatchCompacted(EtcdError):
+    """The watch cannot resume: etcd compacted the history past the revision it needs.
+
+    The caller must re-list the prefix (``get_prefix``) and watch again from the returned revision + 1.
+    """
+
+    def __init__(self, message: str, compact_revision: int) -> None:
+        super().__init__(message)
+        self.compact_revision = compact_revision
+
+
+class WatchRevisionReset(WatchCompacted):
+    """etcd came back with an older revision than the watch had reached (its data was wiped or
+    restored from a snapshot); events below the old revision would never be delivered. Re-list."""
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+    def json(self) -> Any:
+        """The value decoded as JSON (ValueError with the key named if it is not JSON)."""
+        try:
+            return json.loads(self.value)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"etcd key {self.key!r} does not hold JSON: {exc}") from exc
+
+    def text(self) -> str:
+        return self.value.decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    kind: Literal["put", "delete"]
+    key: str
+    value: bytes
+    mod_revision: int
+
+
+class AlreadyRegistered(EtcdError):
+    """The key is live under another holder's lease."""
+
+    def __init__(self, key: str, holder: KeyValue | None, holder_ttl: int = -1) -> None:
+        value = holder.text() if holder is not None else "?"
+        if len(value) > 300:
+            value = value[:300] + "..."
+        expiry = f", its lease expires in {holder_ttl} s unless renewed" if holder_ttl >= 0 else ""
+        lease = f" under lease {holder.lease:x}" if holder is not None and holder.lease else ""
+        if holder is not None and not holder.lease:
+            expiry = ", without a lease (it will not expire; delete it by hand if it is stale)"
+        super().__init__(f"{key} is already registered{lease}{expiry}; current holder: {value}")
+        self.key = key
+        self.holder = holder
+        self.holder_ttl = holder_ttl
+
+
+def _to_bytes(data: bytes | str) -> bytes:
+    return data.encode("utf-8") if isinstance(data, str) else data
+
+
+def _decode_key(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="surrogateescape")
+
+
+def _kv(pb: Any) -> KeyValue:
+    return KeyValue(
+        key=_decode_key(pb.key),
+        value=bytes(pb.value),
+        create_revision=int(pb.create_revision),
+        mod_revision=int(pb.mod_revision),
+        version=int(pb.version),
+        lease=int(pb.lease),
+    )
+
+
+def _read_pem(data: bytes | str | Path | None) -> bytes | None:
+    """TLS material given either as PEM bytes or as a path to a PEM file."""
+    if data is None or isinstance(data, bytes):
+        return data
+    return Path(data).read_bytes()
+
+
+async def _call_back(callback: Callable[[], object] | None, what: str) -> None:
+    """Run a sync or async callback, logging (not raising) its failure."""
+    if callback is None:
+        return
+    try:
+        result = callback()
+        if inspect.isawaitable(result):
+            await result
+    except Exception:
+        _log.exception("%s callback failed", what)
+
+
+class EtcdClient:
+    """Async etcd client with the operations pdcoord needs. Use as ``async with EtcdClient([...]) as c``."""
+
+    def __init__(
+        self,
+        endpoints: list[str],
+        *,
+        timeout: float = 3.0,
+        username: str | None = None,
+        password: str | None = None,
+        ca_cert: bytes | str | Path | None = None,
+        cert_key: bytes | str | Path | None = None,
+        cert_chain: bytes | str | Path | None = None,
+    ) -> None:
+        cleaned = [self._normalize_endpoint(e) for e in endpoints if e.strip()]
+        if not cleaned:
+            raise ValueError("at least one etcd endpoint (host:port) is required")
+        if timeout <= 0:
+            raise ValueError(f"etcd timeout must be positive, got {timeout}")
+        if (username is None) != (password is None):
+            raise ValueError("etcd username and password must be given together")
+        self.endpoints = cleaned
+        self.timeout = timeout
+        self._username = username
+        self._password = password
+        self._tls = {
+            "ca_cert": _read_pem(ca_cert),
+            "cert_key": _read_pem(cert_key),
+            "cert_chain": _read_pem(cert_chain),
+        }
+        self._client: Etcd3Client | None = None
+        self._refresher: Any = None
+        self._lease_stub: LeaseStub | None = None
+        self._watch_stub: WatchStub | None = None
+
+    @staticmethod
+    def _normalize_endpoint(endpoint: str) -> str:
+        e = endpoint.strip()
+        for scheme in ("http://", "https://"):
+            if e.startswith(scheme):
+                e = e[len(scheme) :]
+        e = e.rstrip("/")
+        host, sep, port = e.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"etcd endpoint {endpoint!r} must look like HOST:PORT")
+        return e
+
+    def __repr__(self) -> str:
+        return f"EtcdClient({','.join(self.endpoints)})"
+
+    @property
+    def where(self) -> str:
+        return "etcd at " + ",".join(self.endpoints)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def connect(self) -> None:
+        """Open the channel (lazily: no request is sent unless credentials need a token)."""
+        if self._client is not None:
+            return
+        client = Etcd3Client(
+            self.endpoints,
+            watch_reconnect_backoff_seconds=WATCH_BACKOFF_INITIAL,
+            watch_max_reconnect_backoff_seconds=WATCH_BACKOFF_MAX,
+            ca_cert=self._tls["ca_cert"],
+            cert_key=self._tls["cert_key"],
+            cert_chain=self._tls["cert_chain"],
+        )
+        # etcd3aio builds the channel from these options in connect(); there is no public hook.
+        client._manager.grpc_options.extend(_CHANNEL_OPTIONS)
+        await client.connect()
+        channel = client._channel
+        assert channel is not None
+        self._lease_stub = LeaseStub(channel)
+        self._watch_stub = WatchStub(channel)
+        self._client = client
+        if self._username is not None and self._password is not None:
+            try:
+                with self._errors("authenticate"):
+                    self._refresher = client.token_refresher(self._username, self._password)
+                    await self._refresher.__aenter__()
+            except BaseException:
+                self._refresher = None
+                await self.close()
+                raise
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        refresher, self._refresher = self._refresher, None
+        self._lease_stub = self._watch_stub = None
+        if refresher is not None:
+            with contextlib.suppress(Exception):
+                await refresher.__aexit__(None, None, None)
+        if client is not None:
+            await client.close()
+
+    async def __aenter__(self) -> EtcdClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    def _c(self) -> Etcd3Client:
+        if self._client is None:
+            raise EtcdError(f"{self.where}: client is not connected (call connect() first)")
+        return self._client
+
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        client = self._c()
+        meta = client.kv._metadata if client.kv is not None else ()
+        return meta or None
+
+    # ---------------------------------------------------------------- errors
+
+    def _raise(self, op: str, exc: BaseException) -> NoReturn:
+        if isinstance(exc, TimeoutError):
+            raise EtcdUnavailable(f"{self.where}: {op} timed out after {self.timeout:g} s") from exc
+        if isinstance(exc, etcd3aio.EtcdConnectionError | etcd3aio.EtcdTransientError):
+            raise EtcdUnavailable(f"{self.where}: {op} failed: {exc}") from exc
+        if isinstance(exc, grpc.aio.AioRpcError):
+            code, detail = exc.code(), exc.details() or ""
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise EtcdUnavailable(f"{self.where}: {op} failed: {code.name} ({detail})") from exc
+            if "lease not found" in detail:
+                raise LeaseNotFound(f"{self.where}: {op} failed: {detail}") from exc
+            raise EtcdError(f"{self.where}: {op} failed: {code.name} ({detail})") from exc
+        raise EtcdError(f"{self.where}: {op} failed: {type(exc).__name__}: {exc}") from exc
+
+    @contextlib.contextmanager
+    def _errors(self, op: str) -> Iterator[None]:
+        try:
+            yield
+        except EtcdError:
+            raise
+        except (etcd3aio.EtcdError, grpc.aio.AioRpcError, TimeoutError) as exc:
+            self._raise(op, exc)
+
+    # ---------------------------------------------------------------- KV
+
+    async def get(self, key: str) -> KeyValue | None:
+        with self._errors(f"get {key}"):
+            kv = self._c().kv
+            assert kv is not None
+            resp = await kv.get(key, timeout=self.timeout)
+        return _kv(resp.kvs[0]) if resp.kvs else None
+
+    async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """All keys under *prefix*, sorted by key, and the revision they were read at."""
+        with self._errors(f"get prefix {prefix}"):
+            kv = self._c().kv
+            assert kv is not None
+            resp = await kv.get(
+                prefix,
+                range_end=prefix_range_end(prefix),
+                sort_order=etcd3aio.SortOrder.ASCEND,
+                sort_target=etcd3aio.SortTarget.KEY,
+                timeout=self.timeout,
+            )
+        return [_kv(x) for x in resp.kvs], int(resp.header.revision)
+
+    async def put(self, key: str, value: bytes | str, *, lease: int = 0) -> int:
+        """Write *key*; returns the revision of the write."""
+        with self._errors(f"put {key}"):
+            kv = self._c().kv
+            assert kv is not None
+            resp = await kv.put(key, _to_bytes(value), lease=lease, timeout=self.timeout)
+        return int(resp.header.revision)
+
+    async def delete(self, key: str) -> bool:
+        """Delete *key*; True if it existed."""
+        with self._errors(f"delete {key}"):
+            kv = self._c().kv
+            assert kv is not None
+            resp = await kv.delete(key, timeout=self.timeout)
+        return int(resp.deleted) > 0
+
+    async def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under *prefix*; returns how many were deleted."""
+        if not prefix:
+            raise ValueError("refusing to delete the empty prefix (the whole keyspace)")
+        with self._errors(f"delete prefix {prefix}"):
+            kv = self._c().kv
+            assert kv is not None
+            resp = await kv.delete(prefix, range_end=prefix_range_end(prefix), timeout=self.timeout)
+        return int(resp.deleted)
+
+    async def create_if_absent(
+        self, key: str, value: bytes | str, *, lease: int = 0
+    ) -> tuple[bool, KeyValue | None]:
+        """Atomically create *key* unless it exists.
+
+        Returns ``(True, created)`` when this call created it, else ``(False, existing)``.
+        """
+        data = _to_bytes(value)
+        with self._errors(f"create {key}"):
+            kv = self._c().kv
+            assert kv is not None
+            resp = await kv.txn(
+                compare=[KVService.txn_compare_create_revision(key, 0)],
+                success=[KVService.txn_op_put(key, data, lease=lease)],
+                failure=[KVService.txn_op_get(key)],
+                timeout=self.timeout,
+            )
+        if resp.succeeded:
+            rev = int(resp.header.revision)
+            return True, KeyValue(key, data, rev, rev, 1, lease)
+        kvs = resp.responses[0].response_range.kvs if resp.responses else []
+        return False, (_kv(kvs[0]) if kvs else None)
+
+    async def compare_and_swap(
+        self, key: str, value: bytes | str, *, expected_mod_revision: int, lease: int = 0
+    ) -> bool:
+        """Write *key* only if its mod_revision is *expected_mod_revision* (0: only if absent)."""
+        if expected_mod_revision < 0:
+            raise ValueError(f"expected_mod_revision must be >= 0, got {expected_mod_revision}")
+        if expected_mod_revision == 0:
+            cmp = KVService.txn_compare_create_revision(key, 0)
+        else:
+            cmp = Compare(
+                result=Compare.EQUAL, target=Compare.MOD, key=key.encode(), mod_revision=expected_mod_revision
+            )
+        with self._errors(f"compare-and-swap {key}"):
+            kv = self._c().kv
+            assert kv is not None
+            resp = await kv.txn(
+                compare=[cmp],
+                success=[KVService.txn_op_put(key, _to_bytes(value), lease=lease)],
+                timeout=self.timeout,
+            )
+        return bool(resp.succeeded)
+
+    # ---------------------------------------------------------------- leases
+
+    async def grant_lease(self, ttl: int) -> int:
+        if ttl <= 0:
+            raise ValueError(f"lease TTL must be a positive number of seconds, got {ttl}")
+        with self._errors(f"grant lease (ttl {ttl} s)"):
+            lease = self._c().lease
+            assert lease is not None
+            resp = await lease.grant(ttl, timeout=self.timeout)
+        if resp.error:
+            raise EtcdError(f"{self.where}: grant lease failed: {resp.error}")
+        return int(resp.ID)
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        """Revoke *lease_id*, deleting its keys at once. A lease that is already gone is not an error."""
+        try:
+            with self._errors(f"revoke lease {lease_id:x}"):
+                lease = self._c().lease
+                assert lease is not None
+                await lease.revoke(lease_id, timeout=self.timeout)
+        except LeaseNotFound:
+            pass
+
+    async def lease_ttl(self, lease_id: int) -> int:
+        """Remaining TTL in seconds of *lease_id*, -1 if it does not exist any more."""
+        with self._errors(f"lease TTL {lease_id:x}"):
+            lease = self._c().lease
+            assert lease is not None
+            resp = await lease.time_to_live(lease_id, timeout=self.timeout)
+        return int(resp.TTL) if resp.TTL > 0 else -1
+
+    async def list_leases(self) -> list[int]:
+        """IDs of every lease etcd holds (for leak checks)."""
+        with self._errors("list leases"):
+            lease = self._c().lease
+            assert lease is not None
+            resp = await lease.leases(timeout=self.timeout)
+        return [int(x.ID) for x in resp.leases]
+
+    async def keep_alive_once(self, lease_id: int) -> int:
+        """Renew *lease_id* once; returns the TTL etcd reports (0 or less: the lease is gone)."""
+        self._c()
+        stub = self._lease_stub
+        assert stub is not None
+
+        async def one() -> AsyncIterator[Any]:
+            yield LeaseKeepAliveRequest(ID=lease_id)
+
+        with self._errors(f"keep-alive lease {lease_id:x}"):
+            call = stub.LeaseKeepAlive(one(), metadata=self._metadata(), timeout=self.timeout)
+            try:
+                async with asyncio.timeout(self.timeout):
+                    async for resp in call:
+                        return int(resp.TTL)
+            finally:
+                call.cancel()
+        raise EtcdUnavailable(f"{self.where}: keep-alive lease {lease_id:x}: stream closed without an answer")
+
+    # ---------------------------------------------------------------- watch & status
+
+    async def watch_prefix(self, prefix: str, *, start_revision: int) -> AsyncIterator[WatchEvent]:
+        """Every change under *prefix* from *start_revision* on (0: from now), forever.
+
+        Survives etcd restarts and connection loss: it reconnects (backoff capped at 0.5 s) and
+        resumes right after the last event it yielded, so no event is lost or repeated. Raises
+        :class:`WatchCompacted` when the history it needs is gone; the caller then re-lists.
+        Typical use: ``kvs, rev = await c.get_prefix(p)`` then ``watch_prefix(p, start_revision=rev + 1)``.
+        """
+        if start_revision < 0:
+            raise ValueError(f"start_revision must be >= 0, got {start_revision}")
+        key = prefix.encode()
+        range_end = prefix_range_end(key)
+        next_rev = start_revision
+        backoff = WATCH_BACKOFF_INITIAL
+        failures = 0
+        while True:
+            self._c()
+            stub = self._watch_stub
+            assert stub is not None
+            create = WatchCreateRequest(key=key, range_end=range_end, start_revision=next_rev)
+
+            async def requests(req: Any = create) -> AsyncIterator[Any]:
+                yield WatchRequest(create_request=req)
+                await asyncio.Event().wait()  # keep the request side open until the call is cancelled
+
+            call = stub.Watch(requests(), metadata=self._metadata())
+            try:
+                async for resp in call:
+                    if resp.compact_revision > 0:
+                        raise WatchCompacted(
+                            f"{self.where}: watch on {prefix} cannot resume at revision {next_rev}: "
+                            f"history compacted up to {resp.compact_revision}; re-list and watch again",
+                            int(resp.compact_revision),
+                        )
+                    if resp.canceled:
+                        raise EtcdError(f"{self.where}: watch on {prefix} canceled: {resp.cancel_reason}")
+                    if resp.created:
+                        if failures and 0 < int(resp.header.revision) + 1 < next_rev:
+                            raise WatchRevisionReset(
+                                f"{self.where}: etcd is at revision {resp.header.revision}, behind the "
+                                f"{next_rev - 1} the watch on {prefix} had reached (data reset?); "
+                                "re-list and watch again",
+                                0,
+                            )
+                        if failures:
+                            _log.info("watch on %s resumed at revision %d", prefix, next_rev)
+                        failures, backoff = 0, WATCH_BACKOFF_INITIAL
+                        if next_rev == 0:
+                            # "from now": pin it so a reconnect does not skip what happened meanwhile
+                            next_rev = int(resp.header.revision) + 1
+                    for ev in resp.events:
+                        kind: Literal["put", "delete"] = "delete" if ev.type == 1 else "put"
+                        event = WatchEvent(
+                            kind, _decode_key(ev.kv.key), bytes(ev.kv.value), int(ev.kv.mod_revision)
+                        )
+                        next_rev = event.mod_revision + 1
+                        yield event
+                reason = "stream closed by the server"
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _FATAL_CODES:
+                    self._raise(f"watch {prefix}", exc)
+                reason = f"{exc.code().name} ({exc.details()})"
+            finally:
+                call.cancel()
+            failures += 1
+            log = _log.warning if failures == 1 else _log.debug
+            log("watch on %s interrupted: %s; reconnecting from revision %d", prefix, reason, next_rev)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, WATCH_BACKOFF_MAX)
+
+    async def status(self) -> bool:
+        """True when etcd answers a status request within the timeout."""
+        try:
+            with self._errors("status"):
+                maint = self._c().maintenance
+                assert maint is not None
+                await maint.status(timeout=self.timeout, max_attempts=1)
+            return True
+        except EtcdError:
+            return False
+
+    async def wait_until_available(self, timeout: float) -> None:
+        """Poll :meth:`status` until etcd answers; EtcdUnavailable after *timeout* seconds."""
+        deadline = time.monotonic() + timeout
+        while not await self.status():
+            if time.monotonic() >= deadline:
+                raise EtcdUnavailable(f"{self.where}: not reachable after {timeout:.1f} s")
+            await asyncio.sleep(0.2)
+
+    async def compact(self, revision: int) -> None:
+        """Drop the history before *revision* (watches from older revisions then get WatchCompacted)."""
+        with self._errors(f"compact to {revision}"):
+            kv = self._c().kv
+            assert kv is not None
+            await kv.compact(revision, physical=True, timeout=self.timeout)
+
+    async def revision(self) -> int:
+        """The current revision of the store."""
+        _, rev = await self.get_prefix("\x00pdcoord-revision-probe\x00")
+        return rev
+
+
+Callback = Callable[[], object]
+
+
+class LeaseKeeper:
+    """Keeps one lease alive in the background, renewing every ttl/3 seconds.
+
+    Renewal failures (etcd down) are retried every few hundred milliseconds; when etcd answers that
+    the lease is gone (TTL <= 0, e.g. it expired during an outage or was revoked) ``on_lost`` is
+    called (sync or async) and the keeper stops.
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        lease_id: int,
+        ttl: int,
+        *,
+        on_lost: Callback | None = None,
+        interval: float | None = None,
+    ) -> None:
+        if ttl <= 0:
+            raise ValueError(f"lease TTL must be positive, got {ttl}")
+        self.client = client
+        self.lease_id = lease_id
+        self.ttl = ttl
+        self.interval = interval if interval is not None else ttl / 3
+        self._on_lost = on_lost
+        self._task: asyncio.Task[None] | None = None
+        self._alive = True
+        self.last_renewed = time.monotonic()
+        self.renewals = 0
+
+    @property
+    def alive(self) -> bool:
+        """False once etcd reported the lease gone."""
+        return self._alive
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def start(self) -> LeaseKeeper:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"lease-keeper-{self.lease_id:x}")
+        return self
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def __aenter__(self) -> LeaseKeeper:
+        return self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _run(self) -> None:
+        failures = 0
+        retry = min(self.interval, 0.25)
+        while True:
+            try:
+                ttl = await self.client.keep_alive_once(self.lease_id)
+            except EtcdError as exc:
+                failures += 1
+                if failures == 1:
+                    _log.warning("lease %x: keep-alive failed (%s); retrying", self.lease_id, exc)
+                await asyncio.sleep(retry)
+                continue
+            except Exception:
+                _log.exception("lease %x: unexpected keep-alive failure; retrying", self.lease_id)
+                await asyncio.sleep(retry)
+                continue
+            if ttl <= 0:
+                self._alive = False
+                _log.warning("lease %x is gone (expired or revoked)", self.lease_id)
+                await _call_back(self._on_lost, f"lease {self.lease_id:x} on_lost")
+                return
+            if failures:
+                _log.info("lease %x: keep-alive recovered after %d failed attempts", self.lease_id, failures)
+                failures = 0
+            self.last_renewed = time.monotonic()
+            self.renewals += 1
+            await asyncio.sleep(self.interval)
+
+
+class Registration:
+    """A key held under its own lease and kept alive: a master's or a node agent's membership.
+
+    ``start()`` creates the key with a create-if-absent transaction, so a live key of someone else
+    is never overwritten (:class:`AlreadyRegistered`; with ``wait`` > 0 it retries until the other
+    lease expires). When the lease is lost (etcd down longer than the TTL, or revoked) the key is
+    re-created under a new lease automatically, retrying with backoff until etcd answers.
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        key: str,
+        value: bytes | str | Callable[[], bytes | str],
+        ttl: int,
+        *,
+        wait: float = 0.0,
+        on_lost: Callback | None = None,
+        on_restored: Callback | None = None,
+        retry_max_backoff: float = 2.0,
+    ) -> None:
+        if ttl <= 0:
+            raise ValueError(f"lease TTL must be positive, got {ttl}")
+        self.client = client
+        self.key = key
+        self.ttl = ttl
+        self.wait = wait
+        self._value = value
+        self._on_lost = on_lost
+        self._on_restored = on_restored
+        self._retry_max_backoff = retry_max_backoff
+        self._lease_id = 0
+        self._keeper: LeaseKeeper | None = None
+        self._regrant: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self._stopped = False
+        self.kv: KeyValue | None = None
+        self.reregistrations = 0
+
+    @property
+    def lease_id(self) -> int:
+        """The current lease (0 when not registered)."""
+        return self._lease_id
+
+    @property
+    def alive(self) -> bool:
+        """True while the key is held under a lease that etcd has not reported lost."""
+        return self._lease_id != 0 and self._keeper is not None and self._keeper.alive
+
+    def _value_bytes(self) -> bytes:
+        value = self._value() if callable(self._value) else self._value
+        return _to_bytes(value)
+
+    async def _claim(self) -> tuple[bool, KeyValue | None]:
+        """One attempt: create the key under a fresh lease. Returns (created, current holder)."""
+        existing = await self.client.get(self.key)
+        if existing is not None:
+            return False, existing
+        lease = await self.client.grant_lease(self.ttl)
+        try:
+            ok, kv = await self.client.create_if_absent(self.key, self._value_bytes(), lease=lease)
+        except BaseException:
+            with contextlib.suppress(EtcdError):
+                await self.client.revoke_lease(lease)
+            raise
+        if not ok:
+            await self.client.revoke_lease(lease)
+            return False, kv
+        self._lease_id = lease
+        self.kv = kv
+        self._keeper = LeaseKeeper(self.client, lease, self.ttl, on_lost=self._lost).start()
+        return True, kv
+
+    async def start(self, *, wait: float | None = None) -> Registration:
+        """Register; retry for up to *wait* seconds (default: the constructor's) while the key is held."""
+        if self._lease_id:
+            raise RuntimeError(f"{self.key} is already registered by this process")
+        wait = self.wait if wait is None else wait
+        deadline = time.monotonic() + max(0.0, wait)
+        self._stopped = False
+        announced = False
+        while True:
+            try:
+                async with self._lock:
+                    ok, holder = await self._claim()
+                if ok:
+                    _log.info("registered %s under lease %x (ttl %d s)", self.key, self._lease_id, self.ttl)
+                    return self
+                error: EtcdError = AlreadyRegistered(self.key, holder, await self._holder_ttl(holder))
+            except EtcdUnavailable as exc:
+                error = exc
+            if time.monotonic() >= deadline:
+                raise error
+            if not announced:
+                _log.warning("%s; retrying for up to %.1f s", error, max(0.0, deadline - time.monotonic()))
+                announced = True
+            await asyncio.sleep(min(0.5, max(0.01, deadline - time.monotonic())))
+
+    async def _holder_ttl(self, holder: KeyValue | None) -> int:
+        if holder is None or not holder.lease:
+            return -1
+        try:
+            return await self.client.lease_ttl(holder.lease)
+        except EtcdError:
+            return -1
+
+    def _lost(self) -> None:
+        if self._stopped:
+            return
+        _log.warning("registration %s lost its lease %x; re-registering", self.key, self._lease_id)
+        self._lease_id = 0
+        self.kv = None
+        if self._regrant is None or self._regrant.done():
+            self._regrant = asyncio.create_task(self._reregister(), name=f"reregister-{self.key}")
+
+    async def _reregister(self) -> None:
+        await _call_back(self._on_lost, f"registration {self.key} on_lost")
+        backoff = 0.1
+        failures = 0
+        while not self._stopped:
+            try:
+                async with self._lock:
+                    if self._stopped:
+                        return
+                    if self._keeper is not None:
+                        await self._keeper.stop()
+                        self._keeper = None
+                    ok, holder = await self._claim()
+                if ok:
+                    self.reregistrations += 1
+                    _log.warning("re-registered %s under new lease %x", self.key, self._lease_id)
+                    await _call_back(self._on_restored, f"registration {self.key} on_restored")
+                    return
+                failures += 1
+                if failures == 1:
+                    _log.error("cannot re-register: %s", AlreadyRegistered(self.key, holder))
+            except EtcdError as exc:
+                failures += 1
+                if failures == 1:
+                    _log.warning("re-registering %s failed (%s); retrying", self.key, exc)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._retry_max_backoff)
+
+    async def update(self, value: bytes | str | Callable[[], bytes | str]) -> int | None:
+        """Replace the value (kept for re-registrations too); re-put it under the current lease.
+
+        Returns the revision of the write, or None when not registered at the moment (the new value
+        is used when the key is re-created).
+        """
+        self._value = value
+        async with self._lock:
+            if not self.alive:
+                return None
+            data = self._value_bytes()
+            try:
+                rev = await self.client.put(self.key, data, lease=self._lease_id)
+            except LeaseNotFound:
+                lost = True
+            else:
+                lost = False
+                old = self.kv
+                created = old.create_revision if old else rev
+                self.kv = KeyValue(
+                    self.key, data, created, rev, old.version + 1 if old else 0, self._lease_id
+                )
+        if lost:
+            self._lost()
+            return None
+        return rev
+
+    async def stop(self, revoke: bool = True) -> None:
+        """Stop keeping the key alive; with *revoke*, revoke the lease so the key disappears at once."""
+        self._stopped = True
+        regrant, self._regrant = self._regrant, None
+        if regrant is not None and regrant is not asyncio.current_task():
+            regrant.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await regrant
+        async with self._lock:
+            if self._keeper is not None:
+                await self._keeper.stop()
+                self._keeper = None
+            lease, self._lease_id = self._lease_id, 0
+            if revoke and lease:
+                try:
+                    await self.client.revoke_lease(lease)
+                    _log.info("revoked lease %x of %s", lease, self.key)
+                except EtcdError as exc:
+                    _log.warning("could not revoke lease %x of %s (it will expire): %s", lease, self.key, exc)
+
+    async def __aenter__(self) -> Registration:
+        if not self._lease_id:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+__all__ = [
+    "AlreadyRegistered",
+    "EtcdClient",
+    "EtcdError",
+    "EtcdUnavailable",
+    "KeyValue",
+    "LeaseKeeper",
+    "LeaseNotFound",
+    "Registration",
+    "WatchCompacted",
+    "WatchEvent",
+    "WatchRevisionReset",
+]
