@@ -150,7 +150,10 @@ class NodeAgent:
                         if mid:
                             current[mid] = addr
                     else:
-                        current.pop(self.keys.id_from_key(ev.key, prefix), None)
+                        try:
+                            current.pop(self.keys.id_from_key(ev.key, prefix), None)
+                        except ValueError:
+                            continue
                     self._set_masters(current)
             except WatchCompacted:
                 log.info("masters watch compacted; re-listing")
@@ -159,7 +162,11 @@ class NodeAgent:
                 await asyncio.sleep(0.5)
 
     def _parse_master(self, key: str, value: bytes) -> tuple[str, str]:
-        mid = self.keys.id_from_key(key, self.keys.masters_prefix)
+        try:
+            mid = self.keys.id_from_key(key, self.keys.masters_prefix)
+        except ValueError:
+            log.warning("ignoring stray key %s under masters/", key)
+            return "", ""
         try:
             addr = json.loads(value)["grpc"]
             if not isinstance(addr, str) or ":" not in addr:

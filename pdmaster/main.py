@@ -61,12 +61,17 @@ def build_parser() -> EnvArgumentParser:
         "--max-body-bytes", type=positive_int, default=4 * 1024 * 1024, help="largest request body"
     )
     g.add_argument("--max-n", type=positive_int, default=16, help="largest n (choices) per request")
+    g.add_argument("--max-tokens", type=positive_int, default=32768, help="largest max_tokens per request")
     g = p.add_argument_group("data plane")
     g.add_argument(
         "--engine-protocol",
         choices=["sglang", "vllm"],
         default="sglang",
         help="PD protocol spoken to the prefill/decode servers",
+    )
+    g.add_argument(
+        "--prefill-selection", choices=["cache-aware", "round-robin"], default="cache-aware",
+        help="how the prefill node is chosen (round-robin is for comparison)",
     )
     g.add_argument("--model", default=None, help="model name served; requests naming another get 404")
     g.add_argument(

@@ -1,0 +1,238 @@
+"""``pdcoord demo``: a whole cluster on this machine, under load, through a master failure.
+
+Local etcd, 2 masters, 2 prefill + 3 decode simulated engines each with its node agent; a mixed
+workload for ``--duration`` seconds with a live progress line; one master SIGKILLed part-way and
+restarted. Ends with a summary and exits 0 only when the invariants held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter, defaultdict
+
+from pdcoord.cluster import LocalCluster
+from pdcoord.etcd_server import LocalEtcd
+from pdcoord.launcher import ProcessGroup
+from pdcoord.workload import Outcome, Workload, WorkloadConfig, percentile
+
+PREFILL = {"p1": 32, "p2": 32}
+DECODE = {"d1": 8, "d2": 8, "d3": 4}
+
+
+def scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=2) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def fmt_table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
+
+    def line(r: list[str]) -> str:
+        cells = (
+            str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))
+        )
+        return "  ".join(cells)
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def share_rows(table: dict[str, dict[str, int]]) -> str:
+    nodes = sorted({n for shares in table.values() for n in shares})
+    rows = [[m, *[str(table[m].get(n, 0)) for n in nodes]] for m in sorted(table)]
+    return fmt_table(rows, ["master", *nodes])
+
+
+class Demo:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdcoord-demo-")
+        self.events: list[str] = []
+        self.shares: dict[str, dict[str, dict[str, int]]] = {}
+        self.failover_s: float | None = None
+        self.rejoin_s: float | None = None
+        self.problems: list[str] = []
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+
+    def run(self) -> int:
+        with LocalEtcd(log_path=f"{self.log_dir}/etcd.log") as etcd, ProcessGroup(self.log_dir) as group:
+            self.say(f"pdcoord demo: logs in {self.log_dir}")
+            c = LocalCluster(group, etcd.endpoint, "demo")
+            self.cluster = c
+            t0 = time.monotonic()
+            for m in ("m1", "m2"):
+                c.start_master(m)
+            for name, cap in PREFILL.items():
+                c.start_node(name, "prefill", cap, fast=False)
+            for name, cap in DECODE.items():
+                c.start_node(name, "decode", cap, fast=False)
+            caps = {**PREFILL, **DECODE}
+            c.wait_for(lambda: c.full_capacity_held(["m1", "m2"], caps), timeout=30)
+            self.say(f"cluster up in {time.monotonic() - t0:.1f}s: etcd {etcd.endpoint}, masters "
+                     + ", ".join(f"{m.master_id}={m.url}" for m in c.masters.values()))  # fmt: skip
+            self.shares["before"] = c.share_table()
+            self.say("\nshares before (slots per node):\n" + share_rows(self.shares["before"]) + "\n")
+            outcomes = self.load(caps)
+            code = self.summary(outcomes)
+            if self.args.keep:
+                self.keep()
+            return code
+
+    # -- load and chaos -----------------------------------------------------------------------
+    def live_masters(self) -> list[tuple[str, str]]:
+        return [(m.master_id, m.url) for m in self.cluster.masters.values() if m.proc.alive] or [("m1", "")]
+
+    def load(self, caps: dict[str, int]) -> list[Outcome]:
+        duration = self.args.duration
+        cfg = WorkloadConfig(users=int(sum(DECODE.values()) * 1.5), duration_s=duration, seed=self.args.seed,
+                             max_tokens=24, request_timeout_s=60)  # fmt: skip
+        wl = Workload(self.live_masters, cfg)
+        result: list[Outcome] = []
+        runner = threading.Thread(target=lambda: result.extend(asyncio.run(wl.run())), daemon=True)
+        start = time.monotonic()
+        runner.start()
+        killed = restarted = False
+        c = self.cluster
+        while runner.is_alive():
+            runner.join(timeout=1.0)
+            el = time.monotonic() - start
+            self.progress(el, wl.outcomes)
+            if not killed and el >= 0.35 * duration:
+                killed = True
+                self.say(f"\n[{el:5.1f}s] SIGKILL master m2 (pid {c.masters['m2'].proc.pid})")
+                c.masters["m2"].proc.kill()
+                try:
+                    self.failover_s = c.wait_for(lambda: c.full_capacity_held(["m1"], caps), 10, 0.02)
+                    self.say(f"[{time.monotonic() - start:5.1f}s] m1 holds the full capacity "
+                             f"{self.failover_s:.2f}s after the kill")  # fmt: skip
+                except TimeoutError:
+                    self.problems.append("survivor did not get the full capacity within 10 s")
+                self.shares["during"] = c.share_table()
+            if killed and not restarted and el >= 0.6 * duration:
+                restarted = True
+                self.say(f"\n[{el:5.1f}s] restarting master m2")
+                c.restart_master("m2")
+                try:
+                    self.rejoin_s = c.wait_for(lambda: c.full_capacity_held(["m1", "m2"], caps), 15, 0.02)
+                except TimeoutError:
+                    self.problems.append("m2 did not get its share back within 15 s")
+                self.shares["after"] = c.share_table()
+        self.say("")
+        return result
+
+    def progress(self, elapsed: float, outcomes: list[Outcome]) -> None:
+        done = len(outcomes)
+        ok = sum(o.ok for o in outcomes)
+        parts = []
+        for m in self.cluster.masters.values():
+            if not m.proc.alive:
+                parts.append(f"{m.master_id}: down")
+                continue
+            try:
+                a = m.admission()
+                parts.append(f"{m.master_id}: cap {a['capacity']} active {a.get('active', 0)} "
+                             f"queued {a.get('queued_requests', 0)}")  # fmt: skip
+            except OSError:
+                parts.append(f"{m.master_id}: ?")
+        self.say(f"[{elapsed:5.1f}s] requests {done} ok {ok} errors {done - ok} | " + " | ".join(parts))
+
+    # -- summary ------------------------------------------------------------------------------
+    def summary(self, outcomes: list[Outcome]) -> int:
+        c = self.cluster
+        time.sleep(0.5)
+        leaked = {}
+        for m in c.masters.values():
+            if m.proc.alive:
+                try:
+                    c.wait_for(lambda m=m: m.admission().get("active", 0) == 0, 5)  # type: ignore[misc]
+                except TimeoutError:
+                    leaked[m.master_id] = m.admission().get("active")
+        by_class: dict[str, list[Outcome]] = defaultdict(list)
+        for o in outcomes:
+            if o.ok:
+                by_class[o.klass or "?"].append(o)
+        rows = [[k, str(len(v)), f"{percentile([o.wait_ms for o in v], 50):.1f}",
+                 f"{percentile([o.wait_ms for o in v], 99):.1f}",
+                 f"{percentile([o.latency_s * 1000 for o in v], 50):.0f}"]
+                for k, v in sorted(by_class.items())]  # fmt: skip
+        header = ["class", "completed", "wait p50 ms", "wait p99 ms", "latency p50 ms"]
+        self.say("completed requests by admission class:\n" + fmt_table(rows, header))
+
+        rows = []
+        queued_total = 0.0
+        for name, cap in DECODE.items():
+            mt = scrape(c.engines[name].url)
+            peak, queued = mt.get("pdsim_max_running", 0.0), mt.get("pdsim_queued_total", 0.0)
+            queued_total += queued
+            rows.append([name, str(cap), f"{peak:.0f}", f"{queued:.0f}"])
+            if peak > cap:
+                self.problems.append(f"{name}: peak concurrency {peak:.0f} above running_max_req_size {cap}")
+        self.say("\ndecode nodes:\n" + fmt_table(rows, ["node", "running_max_req_size", "peak running",
+                                                           "pdsim_queued_total"]))  # fmt: skip
+        for phase in ("before", "during", "after"):
+            if phase in self.shares:
+                self.say(f"\nshares {phase}:\n" + share_rows(self.shares[phase]))
+        if self.failover_s is not None:
+            self.say(f"\nfailover: m1 held the full capacity {self.failover_s:.2f}s after m2 was killed")
+        if self.rejoin_s is not None:
+            self.say(f"rejoin: shares re-sliced {self.rejoin_s:.2f}s after m2 restarted")
+        errors = Counter(f"{o.status} {o.error}".strip() for o in outcomes if not o.ok)
+        self.say("\nerrors by kind:" + ("".join(f"\n  {k}: {v}" for k, v in errors.most_common()) or " none"))
+        hangs = sum(1 for o in outcomes if o.status == -1)
+        five_xx = [o for o in outcomes if o.status >= 500 and o.status != 503]
+        if hangs:
+            self.problems.append(f"{hangs} requests hung")
+        if leaked:
+            self.problems.append(f"leases still held after the load: {leaked}")
+        if self.failover_s is not None and self.failover_s > 2.0:
+            self.problems.append(f"failover took {self.failover_s:.2f}s (> 2 s)")
+        if not outcomes or not sum(o.ok for o in outcomes):
+            self.problems.append("no request completed")
+        self.say(f"\n{len(outcomes)} requests, {sum(o.ok for o in outcomes)} completed, "
+                 f"{len(five_xx)} 5xx (in flight on the killed master end with an explicit error), "
+                 f"{queued_total:.0f} requests queued inside decode engines")  # fmt: skip
+        if self.problems:
+            self.say("INVARIANTS VIOLATED:\n  " + "\n  ".join(self.problems))
+            return 1
+        self.say("all invariants held")
+        return 0
+
+    def keep(self) -> None:
+        m = next(iter(self.cluster.masters.values()))
+        self.say(f"""
+cluster left running (Ctrl-C to stop). Masters: {", ".join(x.url for x in self.cluster.masters.values())}
+  curl -s {m.url}/admission | python -m json.tool
+  curl -sN {m.url}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{"model":"sim","messages":[{{"role":"user","content":"hi"}}],"stream":true}}'
+  python -c "import openai; c = openai.OpenAI(base_url='{m.url}/v1', api_key='x'); \\
+print(c.chat.completions.create(model='sim', messages=[{{'role':'user','content':'hi'}}]).choices[0].message)"
+""")
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    try:
+        return Demo(args).run()
+    except KeyboardInterrupt:
+        print("interrupted; everything stopped", file=sys.stderr)
+        return 130
