@@ -43,7 +43,7 @@ class Master:
     http_port: int
     grpc_port: int
     proc: ManagedProcess
-    extra: dict[str, object] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -65,7 +65,7 @@ class Agent:
     endpoint: str
     capacity: int | None
     proc: ManagedProcess
-    extra: dict[str, object] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -100,7 +100,7 @@ class LocalCluster:
         return [self.python, "-m", module]
 
     # -- masters ------------------------------------------------------------------------------
-    def start_master(self, master_id: str, *, wait: bool = True, **extra: object) -> Master:
+    def start_master(self, master_id: str, *, wait: bool = True, **extra: Any) -> Master:
         prev = self.masters.get(master_id)
         http_port = prev.http_port if prev else free_port()
         grpc_port = prev.grpc_port if prev else free_port()
@@ -130,7 +130,7 @@ class LocalCluster:
         endpoint: str | None = None,
         capacity: int | None = None,
         wait: bool = True,
-        **extra: object,
+        **extra: Any,
     ) -> Agent:
         endpoint = endpoint or f"http://127.0.0.1:{free_port()}"
         argv = self._module("nodeagent") + [
@@ -153,9 +153,7 @@ class LocalCluster:
         return self.start_agent(a.node_id, a.role, endpoint=a.endpoint, capacity=a.capacity, **a.extra)
 
     # -- engines ------------------------------------------------------------------------------
-    def start_engine(
-        self, name: str, role: str, capacity: int, *, fast: bool = True, **extra: object
-    ) -> Engine:
+    def start_engine(self, name: str, role: str, capacity: int, *, fast: bool = True, **extra: Any) -> Engine:
         port = free_port()
         bootstrap = free_port()
         argv = self._module("pdsim") + [
@@ -169,7 +167,7 @@ class LocalCluster:
         return engine
 
     def start_node(
-        self, name: str, role: str, capacity: int, *, fast: bool = True, **agent_extra: object
+        self, name: str, role: str, capacity: int, *, fast: bool = True, **agent_extra: Any
     ) -> Engine:
         """An engine and its agent, the way a GPU pod runs them."""
         engine = self.start_engine(name, role, capacity, fast=fast)

@@ -26,8 +26,21 @@ class EnvArgumentParser(argparse.ArgumentParser):
     def env_name(self, option: str) -> str:
         return f"{self.env_prefix}_{option.lstrip('-').replace('-', '_').upper()}"
 
+    def add_argument_group(self, *args: Any, **kwargs: Any) -> Any:
+        # Groups add actions through their own add_argument; route it through the env logic too.
+        group = super().add_argument_group(*args, **kwargs)
+        plain = group.add_argument
+
+        def add(*a: Any, **kw: Any) -> argparse.Action:
+            return self._apply_env(plain(*a, **kw))
+
+        group.add_argument = add  # type: ignore[method-assign]
+        return group
+
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
-        action = super().add_argument(*args, **kwargs)
+        return self._apply_env(super().add_argument(*args, **kwargs))
+
+    def _apply_env(self, action: argparse.Action) -> argparse.Action:
         longs = [s for s in action.option_strings if s.startswith("--")]
         if not longs or isinstance(action, argparse._HelpAction):
             return action

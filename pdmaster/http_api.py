@@ -91,5 +91,9 @@ class ControlRoutes:
             "draining": self.is_draining(),
             "nodes": self.registry.snapshot(),
         }
-        body.update({k: v for k, v in self.admission_snapshot().items() if k != "capacity"})
+        snap = self.admission_snapshot()
+        # the admission core's per-node view goes under its own key: "nodes" is the registry's
+        if "nodes" in snap:
+            snap["admission_nodes"] = snap.pop("nodes")
+        body.update({k: v for k, v in snap.items() if k not in ("capacity", "master_id")})
         return web.Response(text=json.dumps(body), content_type="application/json")

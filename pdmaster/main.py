@@ -15,6 +15,7 @@ from pdcoord.config import (
     positive_int,
     setup_logging,
 )
+from pdmaster.admission_controller import add_admission_flags
 
 
 def build_parser() -> EnvArgumentParser:
@@ -70,17 +71,13 @@ def build_parser() -> EnvArgumentParser:
         help="PD protocol spoken to the prefill/decode servers",
     )
     g.add_argument(
-        "--prefill-selection", choices=["cache-aware", "round-robin"], default="cache-aware",
+        "--prefill-selection",
+        choices=["cache-aware", "round-robin"],
+        default="cache-aware",
         help="how the prefill node is chosen (round-robin is for comparison)",
     )
     g.add_argument("--model", default=None, help="model name served; requests naming another get 404")
-    g.add_argument(
-        "--disable-decode-capacity-limit",
-        "--disable_pd_master_decode_capacity_limit",
-        dest="disable_decode_capacity_limit",
-        action="store_true",
-        help="bypass decode admission entirely (old behaviour)",
-    )
+    add_admission_flags(p)
     add_common_flags(p)
     return p
 

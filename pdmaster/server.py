@@ -8,21 +8,26 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
 import grpc.aio
 from aiohttp import web
-from pdcoord.etcd import AlreadyRegistered, EtcdClient, Registration
 from prometheus_client import CollectorRegistry
 
 from pdcoord import __version__
+from pdcoord.etcd import AlreadyRegistered, EtcdClient, Registration
 from pdcoord.keys import Keys
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
+from pdmaster.admission_controller import AdmissionController, policy_from_args
 from pdmaster.coordination import CoordinationService
+from pdmaster.dataplane import DataPlane
+from pdmaster.dispatch import Dispatcher
 from pdmaster.http_api import ControlRoutes
 from pdmaster.metrics import MasterMetrics
 from pdmaster.registry import NodeRegistry
+from pdmaster.validation import Limits
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +55,25 @@ class MasterServer:
         self.metrics_registry = CollectorRegistry()
         self.metrics = MasterMetrics(self.metrics_registry, self.master_id)
         self.registry = NodeRegistry(max_node_capacity=args.max_node_capacity, max_nodes=args.max_nodes)
+        self.admission = AdmissionController(
+            policy_from_args(args), registry=self.metrics_registry, master_id=self.master_id
+        )
+        self.registry.subscribe(self._on_shares)
         self.coordination = CoordinationService(
-            self.master_id, self.registry, self.metrics, max_reports_per_s=args.max_reports_per_s
+            self.master_id,
+            self.registry,
+            self.metrics,
+            slots=self._slots,
+            max_reports_per_s=args.max_reports_per_s,
+        )
+        self.dataplane = DataPlane(
+            registry=self.registry,
+            admission=self.admission,
+            dispatcher_factory=lambda session: Dispatcher(args.engine_protocol, session),
+            limits=Limits(max_n=args.max_n, max_tokens=args.max_tokens, model=args.model),
+            metrics_registry=self.metrics_registry,
+            is_draining=lambda: self.draining,
+            round_robin=args.prefill_selection == "round-robin",
         )
         self.draining = False
         self.etcd = EtcdClient(args.etcd)
@@ -63,11 +85,20 @@ class MasterServer:
         self._stop = asyncio.Event()
 
     # -- lifecycle ----------------------------------------------------------------------------
+    def _on_shares(self, shares: Mapping[str, int]) -> None:
+        caps = {
+            nid: self.registry.nodes[nid].running_max_req_size for nid in shares if nid in self.registry.nodes
+        }
+        self.admission.set_shares(shares, caps)
+
+    def _slots(self, node_id: str) -> tuple[int, int]:
+        return self.admission.active_on(node_id), self.admission.wanted_slots()
+
     def admission_snapshot(self) -> dict[str, Any]:
-        return {"active": 0}
+        return self.admission.snapshot()
 
     def in_flight(self) -> int:
-        return 0
+        return self.dataplane.inflight
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.args.max_body_bytes)
@@ -78,6 +109,7 @@ class MasterServer:
             admission_snapshot=self.admission_snapshot,
             is_draining=lambda: self.draining,
         ).install(app)
+        self.dataplane.install(app)
         return app
 
     async def start(self) -> None:
@@ -89,7 +121,13 @@ class MasterServer:
             raise StartupError(f"--grpc-port: cannot listen on {args.grpc_host}:{args.grpc_port}")
         await self.grpc_server.start()
 
-        self.http_runner = web.AppRunner(self.build_app(), access_log=None, handle_signals=False)
+        self.http_runner = web.AppRunner(
+            self.build_app(),
+            access_log=None,
+            handle_signals=False,
+            handler_cancellation=True,  # a client that goes away cancels its handler: lease released
+            shutdown_timeout=2.0,  # the drain already waited for in-flight requests
+        )
         await self.http_runner.setup()
         site = web.TCPSite(self.http_runner, args.http_host, args.http_port, reuse_address=True)
         try:
@@ -145,9 +183,10 @@ class MasterServer:
             return
         self.draining = True
         self.coordination.draining = True
-        deadline = time.monotonic() + self.args.drain_timeout
-        while self.in_flight() > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        try:
+            await asyncio.wait_for(self.dataplane.idle.wait(), self.args.drain_timeout)
+        except TimeoutError:
+            pass
         left = self.in_flight()
         if left:
             log.warning("drain timeout: %d requests still in flight", left)

@@ -59,7 +59,15 @@ def test_three_masters_four_agents_match_the_slicing_function(cluster: LocalClus
         assert adm["master_id"] == m
         assert adm["capacity"] == sum(want[m].values())
         for n in adm["nodes"]:
-            assert {"node_id", "role", "endpoint", "running_max_req_size", "share", "epoch", "connected"} <= set(n)
+            assert {
+                "node_id",
+                "role",
+                "endpoint",
+                "running_max_req_size",
+                "share",
+                "epoch",
+                "connected",
+            } <= set(n)
             assert n["connected"] and n["running_max_req_size"] == CAPS[n["node_id"]]
     for node, cap in CAPS.items():
         assert sum(want[m][node] for m in masters) == cap
@@ -113,8 +121,8 @@ def test_duplicate_master_and_node_ids_are_refused(cluster: LocalCluster) -> Non
     assert "m1" in dup.stderr and "live" in dup.stderr
     dup = subprocess.run(
         [sys.executable, "-m", "nodeagent", "--etcd", cluster.etcd, "--cluster", cluster.cluster,
-         "--node-id", "d1", "--role", "decode", "--endpoint", "http://127.0.0.1:9", "--running-max-req-size", "4",
-         "--register-wait", "1"],
+         "--node-id", "d1", "--role", "decode", "--endpoint", "http://127.0.0.1:9",
+         "--running-max-req-size", "4", "--register-wait", "1"],
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert dup.returncode == 2
@@ -168,10 +176,14 @@ def _register(node: str, cap: int = 4, share: int | None = 2, epoch: int = 100) 
 
 
 def _report(share: int, epoch: int, seq: int) -> pb.AgentMessage:
-    return pb.AgentMessage(report=pb.Report(grant=pb.Grant(capacity_share=share, capacity_epoch=epoch), seq=seq))
+    return pb.AgentMessage(
+        report=pb.Report(grant=pb.Grant(capacity_share=share, capacity_epoch=epoch), seq=seq)
+    )
 
 
-def _exchange(addr: str, msgs: list[pb.AgentMessage], hold: float = 0.0) -> tuple[list[pb.Ack], grpc.RpcError | None]:
+def _exchange(
+    addr: str, msgs: list[pb.AgentMessage], hold: float = 0.0
+) -> tuple[list[pb.Ack], grpc.RpcError | None]:
     def gen():  # type: ignore[no-untyped-def]
         yield from msgs
         time.sleep(hold)

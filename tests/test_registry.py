@@ -7,8 +7,16 @@ import pytest
 from pdmaster.registry import DECODE, PREFILL, GrantResult, NodeRegistry, ProtocolError
 
 
-def reg(r: NodeRegistry, node: str = "d1", cap: int = 8, grant: tuple[int, int] | None = (4, 10), role: str = DECODE):
-    return r.register(node_id=node, role=role, endpoint="http://127.0.0.1:1", running_max_req_size=cap, grant=grant)
+def reg(
+    r: NodeRegistry,
+    node: str = "d1",
+    cap: int = 8,
+    grant: tuple[int, int] | None = (4, 10),
+    role: str = DECODE,
+):
+    return r.register(
+        node_id=node, role=role, endpoint="http://127.0.0.1:1", running_max_req_size=cap, grant=grant
+    )
 
 
 def test_capacity_is_sum_of_decode_shares_over_live_streams() -> None:

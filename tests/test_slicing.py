@@ -14,7 +14,9 @@ ids = st.text(alphabet=string.ascii_lowercase + string.digits + "-", min_size=1,
 
 
 @given(capacity=st.integers(0, 10_000), masters=st.sets(ids, min_size=1, max_size=9), node=ids)
-def test_shares_sum_to_capacity_and_differ_by_at_most_one(capacity: int, masters: set[str], node: str) -> None:
+def test_shares_sum_to_capacity_and_differ_by_at_most_one(
+    capacity: int, masters: set[str], node: str
+) -> None:
     shares = slice_shares(capacity, masters, node)
     assert set(shares) == masters
     assert sum(shares.values()) == capacity

@@ -7,15 +7,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent / "frozen"))
 
-import coordination_v0_pb2 as old  # noqa: E402
+import coordination_v0_pb2 as old
 
-from pdcoord.v1 import coordination_pb2 as new  # noqa: E402
+from pdcoord.v1 import coordination_pb2 as new
 
 
 def test_old_register_parses_as_new_without_grant() -> None:
     msg = old.AgentMessage(
         register=old.Register(
-            node_id="d1", role=old.DECODE, endpoint="http://x:1", running_max_req_size=8, start_args={"a": "b"}
+            node_id="d1",
+            role=old.DECODE,
+            endpoint="http://x:1",
+            running_max_req_size=8,
+            start_args={"a": "b"},
         )
     )
     parsed = new.AgentMessage.FromString(msg.SerializeToString())
@@ -38,10 +42,14 @@ def test_new_messages_parse_in_old_schema_ignoring_grant_and_new_fields() -> Non
     )
     o = old.AgentMessage.FromString(reg.SerializeToString())
     assert o.register.node_id == "d1" and o.register.running_max_req_size == 5
-    rep = new.AgentMessage(report=new.Report(load=new.Load(running=3), grant=new.Grant(capacity_share=1), seq=7))
+    rep = new.AgentMessage(
+        report=new.Report(load=new.Load(running=3), grant=new.Grant(capacity_share=1), seq=7)
+    )
     o2 = old.AgentMessage.FromString(rep.SerializeToString())
     assert o2.report.seq == 7 and o2.report.load.running == 3
-    ack = new.MasterMessage(ack=new.Ack(master_id="m", applied_epoch=5, active_slots=2, wanted_slots=9, seq=3))
+    ack = new.MasterMessage(
+        ack=new.Ack(master_id="m", applied_epoch=5, active_slots=2, wanted_slots=9, seq=3)
+    )
     o3 = old.MasterMessage.FromString(ack.SerializeToString())
     assert (o3.ack.master_id, o3.ack.applied_epoch, o3.ack.active_slots) == ("m", 5, 2)
 

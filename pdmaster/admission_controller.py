@@ -1,0 +1,396 @@
+"""asyncio adapter around the admission core, with its Prometheus instruments.
+
+One timer handle per controller, always set to the core's next deadline (no per-waiter polling);
+every core call reports the tickets whose state changed, so exactly those waiters are woken.
+Gauges are published at most once per event-loop tick (coalesced with ``call_soon``) and only
+when a value changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdmaster.admission import (
+    CLASS_ORDER,
+    OUTCOMES,
+    AdmissionCore,
+    AdmissionPolicy,
+    RequestClass,
+    SessionTracker,
+    Ticket,
+    TicketState,
+    classify_request,
+)
+
+__all__ = [
+    "AdmissionController",
+    "AdmissionRejected",
+    "Lease",
+    "add_admission_flags",
+    "policy_from_args",
+]
+
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 30.0, 60.0)
+
+
+class AdmissionRejected(Exception):
+    """The request got no lease: refused, timed out, evicted or shed on a capacity change."""
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        http_status: int,
+        retry_after: float | None,
+        request_class: RequestClass | None = None,
+    ) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.http_status = http_status
+        self.retry_after = retry_after
+        self.request_class = request_class
+
+    @classmethod
+    def from_ticket(cls, t: Ticket) -> AdmissionRejected:
+        r = t.reason
+        if r is None:  # defensive: a non-granted ticket always carries a reason
+            return cls("unknown", f"ticket ended as {t.state.value}", 503, 1.0, t.request_class)
+        return cls(r.code, r.message, r.http_status, r.retry_after_s, t.request_class)
+
+    @property
+    def status(self) -> int:
+        """Alias of ``http_status``."""
+        return self.http_status
+
+    def retry_after_header(self) -> str | None:
+        """Value for the HTTP ``Retry-After`` header (whole seconds, rounded up)."""
+        return None if self.retry_after is None else str(max(1, math.ceil(self.retry_after)))
+
+
+class Lease:
+    """A granted decode placement. ``release()`` is idempotent."""
+
+    __slots__ = ("_controller", "ticket")
+
+    def __init__(self, controller: AdmissionController, ticket: Ticket) -> None:
+        self._controller = controller
+        self.ticket = ticket
+
+    @property
+    def node(self) -> str | None:
+        return self.ticket.node
+
+    @property
+    def slots(self) -> int:
+        return self.ticket.slots
+
+    @property
+    def request_class(self) -> RequestClass:
+        return self.ticket.request_class
+
+    @property
+    def session_id(self) -> str | None:
+        return self.ticket.session_id
+
+    @property
+    def wait_s(self) -> float:
+        return self.ticket.wait_s or 0.0
+
+    @property
+    def released(self) -> bool:
+        return self.ticket.released
+
+    def release(self) -> None:
+        self._controller._release(self.ticket)
+
+    def __repr__(self) -> str:
+        return f"Lease(node={self.node}, slots={self.slots}, class={self.request_class.name})"
+
+
+class AdmissionController:
+    def __init__(
+        self,
+        policy: AdmissionPolicy | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        registry: CollectorRegistry | None = None,
+        master_id: str = "",
+    ) -> None:
+        self.core = AdmissionCore(policy or AdmissionPolicy(), clock=clock)
+        self.policy = self.core.policy
+        self.master_id = master_id
+        self.sessions = SessionTracker(clock=clock)
+        self._clock = clock
+        # a private registry by default, so several controllers can live in one process
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self._g_queued = Gauge(
+            "pdcoord_admission_queued_requests", "Requests waiting for decode slots", registry=r
+        )
+        self._g_queued_slots = Gauge(
+            "pdcoord_admission_queued_slots", "Decode slots wanted by waiters", registry=r
+        )
+        self._g_active = Gauge("pdcoord_admission_active_slots", "Decode slots held by leases", registry=r)
+        self._g_capacity = Gauge(
+            "pdcoord_admission_capacity_slots", "This master's decode capacity", registry=r
+        )
+        self._outcomes = Counter(
+            "pdcoord_admission_outcomes_total",
+            "Admission outcomes per request class",
+            ["class", "outcome"],
+            registry=r,
+        )
+        self._wait = Histogram(
+            "pdcoord_admission_wait_seconds",
+            "Time from arrival to grant",
+            ["class"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self._outcome_children = {
+            (c, o): self._outcomes.labels(c.value, o) for c in CLASS_ORDER for o in OUTCOMES
+        }
+        self._wait_children = {c: self._wait.labels(c.value) for c in CLASS_ORDER}
+        self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._publish_pending = False
+        self._published: list[float | None] = [None, None, None, None]
+        self.publish_count = 0  # ticks in which at least one gauge was set (for tests and debugging)
+        self._closed = False
+        self._publish()
+
+    # ------------------------------------------------------------------ public surface
+
+    def acquire(
+        self,
+        slots: int = 1,
+        request_class: RequestClass = RequestClass.COLD,
+        session_id: str | None = None,
+    ) -> contextlib.AbstractAsyncContextManager[Lease]:
+        """``async with controller.acquire(n, cls, session) as lease:`` — the lease is released on exit."""
+        return self._lease_cm(slots, request_class, session_id)
+
+    @contextlib.asynccontextmanager
+    async def _lease_cm(
+        self, slots: int, request_class: RequestClass, session_id: str | None
+    ) -> AsyncIterator[Lease]:
+        lease = await self.acquire_lease(slots, request_class, session_id)
+        try:
+            yield lease
+        finally:
+            lease.release()
+
+    async def acquire_lease(
+        self,
+        slots: int = 1,
+        request_class: RequestClass = RequestClass.COLD,
+        session_id: str | None = None,
+    ) -> Lease:
+        """Wait for a lease; the caller must release it (prefer ``acquire``)."""
+        core = self.core
+        t = core.submit(slots=slots, request_class=request_class, session_id=session_id)
+        self._apply(core.last_changes)
+        if t.state is TicketState.QUEUED:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters[t.id] = fut
+            try:
+                await fut
+            except BaseException:
+                # cancelled while queued: withdraw; cancelled right after the grant: give it back
+                if t.state is TicketState.QUEUED:
+                    self._apply(core.cancel(t))
+                elif t.state is TicketState.GRANTED:
+                    self._release(t)
+                raise
+            finally:
+                self._waiters.pop(t.id, None)
+        if t.state is TicketState.GRANTED:
+            return Lease(self, t)
+        raise AdmissionRejected.from_ticket(t)
+
+    def set_shares(self, shares: Mapping[str, int], node_capacity: Mapping[str, int] | None = None) -> None:
+        """This master's share per decode node; equal effective shares are a no-op."""
+        self._apply(self.core.set_shares(shares, node_capacity))
+
+    def promote_session(self, session_id: str) -> None:
+        self._apply(self.core.promote_session(session_id))
+
+    def observe_output(self, session_id: str | None) -> None:
+        """A valid output was seen for the session: later requests are CONTINUATION, waiters promoted."""
+        if session_id is not None and self.sessions.observe_output(session_id):
+            self.promote_session(session_id)
+
+    def classify(self, session_id: str | None, cache_hit_ratio: float | None = None) -> RequestClass:
+        return classify_request(session_id, cache_hit_ratio, self.sessions)
+
+    def snapshot(self) -> dict[str, Any]:
+        snap = self.core.snapshot()
+        snap["master_id"] = self.master_id
+        snap["waiters"] = len(self._waiters)
+        return snap
+
+    def active_on(self, node: str) -> int:
+        return self.core.active_on(node)
+
+    def wanted_slots(self) -> int:
+        return self.core.wanted_slots()
+
+    def close(self) -> None:
+        """Stop the timeout timer (waiters are ended by their own tasks' cancellation)."""
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self._timer_at = None
+
+    # ------------------------------------------------------------------ internals
+
+    def _release(self, t: Ticket) -> None:
+        if t.state is TicketState.GRANTED and not t.released:
+            self._apply(self.core.release(t))
+
+    def _apply(self, changes: list[Ticket]) -> None:
+        for t in changes:
+            c = t.request_class
+            if t.state is TicketState.GRANTED:
+                self._outcome_children[(c, "granted")].inc()
+                self._wait_children[c].observe(t.wait_s or 0.0)
+            elif t.reason is not None:
+                self._outcome_children[(c, t.reason.code)].inc()
+            fut = self._waiters.get(t.id)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        self._schedule_publish()
+        self._reschedule_timer()
+
+    def _loop(self) -> asyncio.AbstractEventLoop | None:
+        try:
+            return asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+
+    def _schedule_publish(self) -> None:
+        if self._publish_pending:
+            return
+        loop = self._loop()
+        if loop is None:
+            self._publish()
+            return
+        self._publish_pending = True
+        loop.call_soon(self._publish)
+
+    def _publish(self) -> None:
+        self._publish_pending = False
+        core = self.core
+        values = (core.queued_requests, core.queued_slots, core.active, core.capacity)
+        gauges = (self._g_queued, self._g_queued_slots, self._g_active, self._g_capacity)
+        changed = False
+        for i, (v, g) in enumerate(zip(values, gauges, strict=True)):
+            if self._published[i] != v:
+                g.set(v)
+                self._published[i] = v
+                changed = True
+        if changed:
+            self.publish_count += 1
+
+    def _reschedule_timer(self) -> None:
+        if self._closed:
+            return
+        d = self.core.next_deadline()
+        if self._timer is not None and self._timer_at is not None and (d is None or d >= self._timer_at):
+            # Armed early enough: let it fire and re-arm then, instead of churning the loop's timer
+            # heap on every grant of the oldest waiter.
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = None
+        if d is None:
+            return
+        loop = self._loop()
+        if loop is None:
+            return  # armed by the next call made inside the loop
+        self._timer = loop.call_later(max(0.0, d - self._clock()), self._on_timer)
+        self._timer_at = d
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self._apply(self.core.expire())
+
+
+# ---------------------------------------------------------------------- CLI helpers
+
+
+def _triple(text: str, kind: type[float]) -> dict[RequestClass, float]:
+    parts = text.replace(",", ":").split(":")
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"expected CONTINUATION:PROBABLE:COLD, got {text!r}")
+    try:
+        vals = [kind(p) for p in parts]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if any(not v > 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"all three values must be > 0, got {text!r}")
+    return dict(zip(CLASS_ORDER, vals, strict=True))
+
+
+def _weights(text: str) -> dict[RequestClass, float]:
+    return _triple(text, float)
+
+
+def _non_negative_float(text: str) -> float:
+    v = float(text)
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def add_admission_flags(parser: argparse.ArgumentParser) -> None:
+    # on the parser itself, not an argument group, so EnvArgumentParser's env-var defaults apply
+    g = parser
+    g.add_argument(
+        "--disable-decode-capacity-limit",
+        "--disable_pd_master_decode_capacity_limit",
+        dest="disable_decode_capacity_limit",
+        action="store_true",
+        help="grant every request at once (no decode capacity limit, no queue)",
+    )
+    g.add_argument(
+        "--admission-weights", type=_weights, default="8:3:1", help="DRR quanta CONT:PROB:COLD, in slots"
+    )
+    g.add_argument(
+        "--admission-max-wait", type=_weights, default="30:15:5", help="wait timeouts CONT:PROB:COLD, seconds"
+    )
+    g.add_argument(
+        "--admission-queue-waves", type=_non_negative_float, default=1.0, help="queue bound, decode waves"
+    )
+    g.add_argument(
+        "--admission-backfill-waves",
+        type=_non_negative_float,
+        default=1.0,
+        help="gang backfill budget, decode waves",
+    )
+
+
+def policy_from_args(ns: argparse.Namespace) -> AdmissionPolicy:
+    def triple(v: Any) -> dict[RequestClass, float]:
+        return _weights(v) if isinstance(v, str) else dict(v)
+
+    return AdmissionPolicy(
+        weights=triple(ns.admission_weights),
+        max_wait_s=triple(ns.admission_max_wait),
+        queue_waves=ns.admission_queue_waves,
+        backfill_waves=ns.admission_backfill_waves,
+        bypass=ns.disable_decode_capacity_limit,
+    )

@@ -1,0 +1,3 @@
+from pdsim.main import main
+
+main()

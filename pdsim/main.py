@@ -1,0 +1,195 @@
+"""``pdsim``: run one simulated prefill or decode server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from pdcoord.config import (
+    EnvArgumentParser,
+    add_common_flags,
+    non_negative_int,
+    parse,
+    port,
+    positive_float,
+    positive_int,
+    setup_logging,
+)
+from pdsim.server import Config, Engine, Timing, build_app, build_bootstrap_app
+
+log = logging.getLogger("pdsim")
+
+# (realistic-but-small default, --fast value) per timing flag.
+TIMING_PRESETS: dict[str, tuple[float, float]] = {
+    "prefill_base_ms": (20.0, 1.0),
+    "prefill_per_token_ms": (0.05, 0.01),
+    "decode_base_ms": (15.0, 2.0),
+    "decode_per_seq_ms": (0.25, 0.01),
+}
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def build_parser() -> EnvArgumentParser:
+    p = EnvArgumentParser(prog="pdsim", env_prefix="PDSIM", description=__doc__)
+    p.add_argument("--role", choices=["prefill", "decode"], required=True)
+    p.add_argument("--host", default="127.0.0.1", help="listen address")
+    p.add_argument("--port", type=port, default=30000, help="HTTP port (0 = pick a free one)")
+    p.add_argument(
+        "--bootstrap-port",
+        type=port,
+        default=None,
+        help="KV bootstrap listener port; default port+1000 on prefill (free port if --port 0), "
+        "off on decode; 0 disables it",
+    )
+    p.add_argument("--advertise-host", default=None, help="host put into kv_transfer_params (default --host)")
+    p.add_argument(
+        "--running-max-req-size", type=positive_int, required=True, help="decode batch size in slots"
+    )
+    p.add_argument("--model", default="pdsim-model", help="served model name")
+    p.add_argument("--context-length", type=positive_int, default=32768)
+    p.add_argument("--max-n", type=positive_int, default=64, help="largest n accepted")
+    p.add_argument("--default-max-tokens", type=non_negative_int, default=16)
+    p.add_argument(
+        "--max-total-tokens",
+        type=positive_int,
+        default=None,
+        help="KV pool size for token_usage (default N*1024)",
+    )
+    p.add_argument(
+        "--cache-blocks", type=non_negative_int, default=8192, help="prefix cache capacity in blocks"
+    )
+    p.add_argument("--cache-block-tokens", type=positive_int, default=16, help="prefix cache block size")
+    p.add_argument("--prefill-parallel", type=positive_int, default=1, help="prefills computed at once")
+    p.add_argument(
+        "--kv-wait-timeout", type=positive_float, default=30.0, help="decode waits this long for KV (s)"
+    )
+    p.add_argument(
+        "--kv-ttl", type=positive_float, default=60.0, help="unclaimed KV rooms are dropped after (s)"
+    )
+    p.add_argument("--max-body-bytes", type=positive_int, default=16 * 1024 * 1024)
+    for name, (default, fast) in TIMING_PRESETS.items():
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, type=non_negative_float, default=None, help=f"default {default}, --fast {fast}")
+    p.add_argument(
+        "--fast", action="store_true", help="tiny timings for tests (explicit timing flags still win)"
+    )
+    add_common_flags(p)
+    return p
+
+
+def timing_from_args(args: argparse.Namespace) -> Timing:
+    values = {}
+    for name, (default, fast) in TIMING_PRESETS.items():
+        given = getattr(args, name)
+        values[name] = given if given is not None else (fast if args.fast else default)
+    return Timing(**values)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    host = args.host
+    cfg = Config(
+        role=args.role,
+        host=host,
+        advertise_host=args.advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "", "::") else host),
+        model=args.model,
+        running_max_req_size=args.running_max_req_size,
+        max_n=args.max_n,
+        context_length=args.context_length,
+        default_max_tokens=args.default_max_tokens,
+        max_total_tokens=args.max_total_tokens or args.running_max_req_size * 1024,
+        cache_blocks=args.cache_blocks,
+        cache_block_tokens=args.cache_block_tokens,
+        prefill_parallel=args.prefill_parallel,
+        kv_wait_timeout_s=args.kv_wait_timeout,
+        kv_ttl_s=args.kv_ttl,
+        max_body_bytes=args.max_body_bytes,
+        timing=timing_from_args(args),
+    )
+    engine = Engine(cfg)
+    await engine.start()
+    runners: list[web.AppRunner] = []
+    try:
+        bport = resolve_bootstrap_port(args.role, args.port, args.bootstrap_port)
+        if bport is not None:
+            brunner = web.AppRunner(
+                build_bootstrap_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+            )
+            await brunner.setup()
+            bsite = web.TCPSite(brunner, host, bport)
+            await bsite.start()
+            runners.append(brunner)
+            engine.bootstrap_port = _bound_port(brunner)
+        # handler_cancellation: a client that disconnects cancels its handler at once, which
+        # frees its decode slot (aiohttp >= 3.9 no longer does this by default).
+        # A short shutdown_timeout: in-flight streams are cut after a second on SIGTERM.
+        runner = web.AppRunner(
+            build_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, host, args.port)
+        await site.start()
+        runners.append(runner)
+        bound = _bound_port(runner)
+        t = cfg.timing
+        log.info(
+            "role=%s capacity=%d prefill %.3g ms + %.3g ms/token, decode %.3g ms + %.3g ms/seq per token",
+            cfg.role,
+            cfg.running_max_req_size,
+            t.prefill_base_ms,
+            t.prefill_per_token_ms,
+            t.decode_base_ms,
+            t.decode_per_seq_ms,
+        )
+        print(
+            f"pdsim ready role={cfg.role} port={bound} bootstrap_port={engine.bootstrap_port}",
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        for r in reversed(runners):
+            await r.cleanup()
+        await engine.close()
+
+
+def resolve_bootstrap_port(role: str, main_port: int, given: int | None) -> int | None:
+    """The port to bind the KV bootstrap listener on (0 = any free port), or None for no listener."""
+    if given is not None:
+        return given or None  # an explicit 0 disables it
+    if role != "prefill":
+        return None
+    if main_port == 0 or main_port + 1000 > 65535:
+        return 0
+    return main_port + 1000
+
+
+def _bound_port(runner: web.AppRunner) -> int:
+    addrs = runner.addresses
+    return int(addrs[0][1]) if addrs else 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse(build_parser(), argv)
+    setup_logging(args.log_level, "pdsim")
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,423 @@
+"""Request parsing/validation and response shapes of the three generation APIs (pure, no I/O).
+
+``/generate`` follows SGLang's native API; ``/v1/completions`` and ``/v1/chat/completions`` follow
+OpenAI's (as vLLM and SGLang serve them). Both PD protocols ride on top-level body fields:
+SGLang's ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` and vLLM's ``kv_transfer_params``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Api = Literal["generate", "completions", "chat"]
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_body(message: str, *, err_type: str, code: str | None, param: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "code": code, "param": param}}
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_n: int
+    context_length: int
+    default_max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenRequest:
+    api: Api
+    prompt: str | list[int]
+    n: int
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    model: str | None
+    rid: str | None
+    bootstrap_host: str | None
+    bootstrap_port: int | None
+    bootstrap_room: int | None
+    kv_transfer_params: dict[str, Any] | None
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _opt_int(body: dict[str, Any], key: str, param: str | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise BadRequest(f"'{param or key}' must be an integer", param=param or key, code="invalid_type")
+    return int(v)
+
+
+def _opt_bool(body: dict[str, Any], key: str, param: str | None = None) -> bool | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise BadRequest(f"'{param or key}' must be a boolean", param=param or key, code="invalid_type")
+    return v
+
+
+def _check_numbers(body: dict[str, Any], keys: tuple[str, ...], prefix: str = "") -> None:
+    for key in keys:
+        v = body.get(key)
+        if v is not None and not _is_number(v):
+            raise BadRequest(f"'{prefix}{key}' must be a number", param=prefix + key, code="invalid_type")
+
+
+def _token_ids(v: object, param: str) -> list[int] | None:
+    if isinstance(v, list) and all(_is_int(x) for x in v):
+        if any(x < 0 for x in v):
+            raise BadRequest(f"'{param}' token ids must be >= 0", param=param)
+        return list(v)
+    return None
+
+
+def _n(value: int | None, limits: Limits, param: str) -> int:
+    n = 1 if value is None else value
+    if not 1 <= n <= limits.max_n:
+        raise BadRequest(f"'{param}' must be between 1 and {limits.max_n}, got {n}", param=param)
+    return n
+
+
+def _max_tokens(value: int | None, limits: Limits, param: str, minimum: int) -> int:
+    mt = limits.default_max_tokens if value is None else value
+    if mt < minimum:
+        raise BadRequest(f"'{param}' must be >= {minimum}, got {mt}", param=param)
+    return mt
+
+
+def _pd_fields(body: dict[str, Any]) -> tuple[str | None, int | None, int | None, dict[str, Any] | None]:
+    host = body.get("bootstrap_host")
+    if host is not None and not isinstance(host, str):
+        raise BadRequest("'bootstrap_host' must be a string", param="bootstrap_host", code="invalid_type")
+    port = _opt_int(body, "bootstrap_port")
+    if port is not None and not 0 < port <= 65535:
+        raise BadRequest("'bootstrap_port' must be a TCP port", param="bootstrap_port")
+    room = _opt_int(body, "bootstrap_room")
+    if room is not None and room < 0:
+        raise BadRequest("'bootstrap_room' must be >= 0", param="bootstrap_room")
+    kv = body.get("kv_transfer_params")
+    if kv is not None and not isinstance(kv, dict):
+        raise BadRequest(
+            "'kv_transfer_params' must be an object", param="kv_transfer_params", code="invalid_type"
+        )
+    return host, port, room, kv
+
+
+def _check_context(prompt_tokens: int, max_tokens: int, limits: Limits, param: str) -> None:
+    if prompt_tokens + max_tokens > limits.context_length:
+        raise BadRequest(
+            f"This model's maximum context length is {limits.context_length} tokens; the request has "
+            f"{prompt_tokens} prompt tokens and asks for {max_tokens} more",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def parse_request(api: Api, body: object, limits: Limits, *, prompt_tokens_of: Any) -> GenRequest:
+    """Validate ``body`` for ``api``; raises :class:`BadRequest` with an OpenAI-style message."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_type")
+    host, port, room, kv = _pd_fields(body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string", param="model", code="invalid_type")
+    stream = _opt_bool(body, "stream") or False
+    rid: str | None = None
+    include_usage = False
+    prompt: str | list[int]
+    if api == "generate":
+        rid_v = body.get("rid")
+        if rid_v is not None and not isinstance(rid_v, str):
+            raise BadRequest("'rid' must be a string", param="rid", code="invalid_type")
+        rid = rid_v
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise BadRequest(
+                "exactly one of 'text' or 'input_ids' is required", param="text", code="missing_field"
+            )
+        if text is not None:
+            if not isinstance(text, str):
+                raise BadRequest("'text' must be a string (batches are not supported)", param="text")
+            prompt = text
+        else:
+            parsed = _token_ids(ids, "input_ids")
+            if parsed is None:
+                raise BadRequest(
+                    "'input_ids' must be a list of integers", param="input_ids", code="invalid_type"
+                )
+            prompt = parsed
+        sp = body.get("sampling_params", {})
+        if sp is None:
+            sp = {}
+        if not isinstance(sp, dict):
+            raise BadRequest(
+                "'sampling_params' must be an object", param="sampling_params", code="invalid_type"
+            )
+        _check_numbers(sp, ("temperature", "top_p", "top_k"), "sampling_params.")
+        n = _n(_opt_int(sp, "n", "sampling_params.n"), limits, "sampling_params.n")
+        max_tokens = _max_tokens(
+            _opt_int(sp, "max_new_tokens", "sampling_params.max_new_tokens"),
+            limits,
+            "sampling_params.max_new_tokens",
+            0,
+        )
+        param = "sampling_params.max_new_tokens"
+    else:
+        _check_numbers(body, ("temperature", "top_p", "presence_penalty", "frequency_penalty"))
+        so = body.get("stream_options")
+        if so is not None:
+            if not isinstance(so, dict):
+                raise BadRequest(
+                    "'stream_options' must be an object", param="stream_options", code="invalid_type"
+                )
+            include_usage = _opt_bool(so, "include_usage", "stream_options.include_usage") or False
+        n = _n(_opt_int(body, "n"), limits, "n")
+        if api == "completions":
+            prompt = _completion_prompt(body.get("prompt"))
+            param = "max_tokens"
+            mt = _opt_int(body, "max_tokens")
+        else:
+            prompt = _chat_prompt(body.get("messages"))
+            mct = _opt_int(body, "max_completion_tokens")
+            param = "max_completion_tokens" if mct is not None else "max_tokens"
+            mt = mct if mct is not None else _opt_int(body, "max_tokens")
+        max_tokens = _max_tokens(mt, limits, param, 1)
+    prompt_tokens = prompt_tokens_of(prompt)
+    if prompt_tokens == 0:
+        raise BadRequest("the prompt must not be empty", param="prompt" if api != "generate" else "text")
+    _check_context(prompt_tokens, max_tokens, limits, param)
+    return GenRequest(
+        api=api,
+        prompt=prompt,
+        n=n,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+        model=model,
+        rid=rid,
+        bootstrap_host=host,
+        bootstrap_port=port,
+        bootstrap_room=room,
+        kv_transfer_params=kv,
+    )
+
+
+def _completion_prompt(v: object) -> str | list[int]:
+    if v is None:
+        raise BadRequest("'prompt' is required", param="prompt", code="missing_field")
+    if isinstance(v, str):
+        return v
+    ids = _token_ids(v, "prompt")
+    if ids is not None and ids:
+        return ids
+    if isinstance(v, list) and len(v) == 1:
+        inner = v[0]
+        if isinstance(inner, str):
+            return inner
+        ids = _token_ids(inner, "prompt")
+        if ids is not None:
+            return ids
+    if isinstance(v, list) and len(v) > 1 and all(isinstance(x, str | list) for x in v):
+        raise BadRequest("batched prompts are not supported; send one prompt per request", param="prompt")
+    raise BadRequest("'prompt' must be a string or a list of token ids", param="prompt", code="invalid_type")
+
+
+def _chat_prompt(v: object) -> str:
+    if v is None:
+        raise BadRequest("'messages' is required", param="messages", code="missing_field")
+    if not isinstance(v, list) or not v:
+        raise BadRequest("'messages' must be a non-empty list", param="messages", code="invalid_type")
+    parts: list[str] = []
+    for i, m in enumerate(v):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(f"'{p}' must be an object", param=p, code="invalid_type")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise BadRequest(f"'{p}.role' must be one of {sorted(CHAT_ROLES)}", param=f"{p}.role")
+        content = m.get("content")
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            pieces: list[str] = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise BadRequest(
+                        f"'{p}.content[{j}]' must be an object with a 'type'",
+                        param=f"{p}.content",
+                        code="invalid_type",
+                    )
+                if part["type"] == "text":
+                    t = part.get("text")
+                    if not isinstance(t, str):
+                        raise BadRequest(f"'{p}.content[{j}].text' must be a string", param=f"{p}.content")
+                    pieces.append(t)
+            text = "".join(pieces)
+        else:
+            raise BadRequest(
+                f"'{p}.content' must be a string or a list", param=f"{p}.content", code="invalid_type"
+            )
+        parts.append(f"<|{role}|>{text}\n")
+    # The assistant header the chat template would append before generation.
+    parts.append("<|assistant|>")
+    return "".join(parts)
+
+
+def token_text(k: int) -> str:
+    """The k-th generated token (1-based): deterministic, so tests can check the exact output."""
+    return f" tok{k}"
+
+
+def completion_text(num_tokens: int) -> str:
+    return "".join(token_text(k) for k in range(1, num_tokens + 1))
+
+
+def sse(obj: object) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class Formatter:
+    """Builds the response (or the stream's chunks) of one request in its API's shape."""
+
+    req: GenRequest
+    rid: str
+    created: int
+    model: str
+    prompt_tokens: int
+    cached_tokens: int
+    _text: str = ""
+
+    def _usage(self, completion_tokens: int) -> dict[str, Any]:
+        total_completion = completion_tokens * self.req.n
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": total_completion,
+            "total_tokens": self.prompt_tokens + total_completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    def _meta(self, k: int, finished: bool) -> dict[str, Any]:
+        return {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": k,
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": {"type": "length", "length": k} if finished else None,
+        }
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.req.api == "chat" else "text_completion"
+        out: dict[str, Any] = {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.req.include_usage:
+            out["usage"] = None
+        return out
+
+    def start_chunks(self) -> Iterator[dict[str, Any]]:
+        if self.req.api == "chat":
+            for i in range(self.req.n):
+                delta = {"role": "assistant", "content": ""}
+                yield self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+
+    def token_chunks(self, k: int, total: int) -> Iterator[dict[str, Any]]:
+        """Chunks for the k-th token (1-based) of ``total``; ``k == 0`` only when ``total == 0``."""
+        finished = k == total
+        tok = token_text(k) if k else ""
+        self._text += tok
+        for i in range(self.req.n):
+            if self.req.api == "generate":
+                chunk: dict[str, Any] = {"text": self._text, "meta_info": self._meta(k, finished)}
+                if self.req.n > 1:
+                    chunk["index"] = i
+                yield chunk
+            elif self.req.api == "completions":
+                fr = "length" if finished else None
+                yield self._chunk([{"index": i, "text": tok, "logprobs": None, "finish_reason": fr}])
+            else:
+                yield self._chunk(
+                    [{"index": i, "delta": {"content": tok}, "logprobs": None, "finish_reason": None}]
+                )
+
+    def end_chunks(self, total: int) -> Iterator[dict[str, Any]]:
+        if self.req.api == "chat":
+            for i in range(self.req.n):
+                yield self._chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": "length"}])
+        if self.req.api != "generate" and self.req.include_usage:
+            yield {**self._chunk([]), "usage": self._usage(total)}
+
+    def full_response(self, total: int, extra: dict[str, Any] | None) -> Any:
+        text = completion_text(total)
+        if self.req.api == "generate":
+            items = [
+                {
+                    "text": text,
+                    "meta_info": self._meta(total, True),
+                    **({"index": i} if self.req.n > 1 else {}),
+                }
+                for i in range(self.req.n)
+            ]
+            out: Any = items[0] if self.req.n == 1 else items
+            if extra and isinstance(out, dict):
+                out = {**out, **extra}
+            return out
+        if self.req.api == "completions":
+            choices: list[dict[str, Any]] = [
+                {"index": i, "text": text, "logprobs": None, "finish_reason": "length"}
+                for i in range(self.req.n)
+            ]
+            obj = "text_completion"
+        else:
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": "length",
+                }
+                for i in range(self.req.n)
+            ]
+            obj = "chat.completion"
+        resp: dict[str, Any] = {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self._usage(total),
+        }
+        if extra:
+            resp.update(extra)
+        return resp

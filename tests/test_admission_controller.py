@@ -1,0 +1,224 @@
+"""The asyncio admission adapter on a real event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pdcoord.config import EnvArgumentParser
+from pdmaster.admission import AdmissionPolicy, RequestClass
+from pdmaster.admission_controller import (
+    AdmissionController,
+    AdmissionRejected,
+    add_admission_flags,
+    policy_from_args,
+)
+
+CONT = RequestClass.CONTINUATION
+COLD = RequestClass.COLD
+
+
+def make(shares: dict[str, int], **policy: object) -> AdmissionController:
+    ctl = AdmissionController(AdmissionPolicy(**policy), registry=CollectorRegistry(), master_id="m1")  # type: ignore[arg-type]
+    ctl.set_shares(shares)
+    return ctl
+
+
+def sample(ctl: AdmissionController, name: str, **labels: str) -> float | None:
+    return ctl.registry.get_sample_value(name, labels)
+
+
+async def settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+async def test_acquire_places_on_a_node_and_releases_on_exit() -> None:
+    ctl = make({"d1": 1, "d2": 2})
+    async with ctl.acquire(slots=2, request_class=COLD) as lease:
+        assert lease.node == "d2" and lease.slots == 2 and lease.wait_s == 0.0
+        assert ctl.active_on("d2") == 2
+    assert lease.released and ctl.core.active == 0
+    lease.release()  # idempotent
+    assert ctl.core.active == 0
+
+
+async def test_waiter_is_woken_by_release_and_reports_its_wait() -> None:
+    ctl = make({"d1": 1})
+    holder = await ctl.acquire_lease()
+    waiter = asyncio.create_task(ctl.acquire_lease(request_class=CONT))
+    await settle()
+    assert ctl.snapshot()["queued_requests"] == 1 and not waiter.done()
+    await asyncio.sleep(0.02)
+    holder.release()
+    lease = await asyncio.wait_for(waiter, 1)
+    assert lease.node == "d1" and lease.wait_s >= 0.015
+    lease.release()
+    assert sample(ctl, "pdcoord_admission_wait_seconds_count", **{"class": "continuation"}) == 1
+
+
+async def test_cancel_while_queued_removes_the_ticket() -> None:
+    ctl = make({"d1": 1})
+    holder = await ctl.acquire_lease()
+
+    async def use() -> None:
+        async with ctl.acquire():
+            raise AssertionError("must not run")
+
+    task = asyncio.create_task(use())
+    await settle()
+    assert ctl.snapshot()["queued_requests"] == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ctl.snapshot()["queued_requests"] == 0 and ctl.snapshot()["waiters"] == 0
+    holder.release()
+    assert ctl.core.active == 0
+    assert sample(ctl, "pdcoord_admission_outcomes_total", **{"class": "cold", "outcome": "cancelled"}) == 1
+
+
+async def test_cancel_right_after_grant_releases() -> None:
+    ctl = make({"d1": 1})
+    holder = await ctl.acquire_lease()
+    task = asyncio.create_task(ctl.acquire_lease())
+    await settle()
+    holder.release()  # grants the waiter's ticket and resolves its future ...
+    assert ctl.core.active == 1
+    task.cancel()  # ... but the task is cancelled before it resumes
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ctl.core.active == 0 and ctl.snapshot()["waiters"] == 0
+
+
+async def test_exception_inside_the_block_releases() -> None:
+    ctl = make({"d1": 1})
+    with pytest.raises(RuntimeError):
+        async with ctl.acquire():
+            assert ctl.core.active == 1
+            raise RuntimeError("dispatch failed")
+    assert ctl.core.active == 0
+    async with ctl.acquire() as lease:  # the slot is usable again
+        assert lease.node == "d1"
+
+
+async def test_timeout_raises_with_retry_hint_and_uses_one_timer() -> None:
+    waits = {RequestClass.CONTINUATION: 0.3, RequestClass.PROBABLE_CACHE_HIT: 0.2, RequestClass.COLD: 0.1}
+    ctl = make({"d1": 1}, max_wait_s=waits, queue_waves=50)
+    holder = await ctl.acquire_lease()
+    loop = asyncio.get_running_loop()
+    started = time.monotonic()
+    tasks = [asyncio.create_task(ctl.acquire_lease(request_class=COLD)) for _ in range(20)]
+    tasks.append(asyncio.create_task(ctl.acquire_lease(request_class=CONT)))
+    await settle()
+    timers = [h for h in loop._scheduled if h._callback == ctl._on_timer and not h.cancelled()]  # type: ignore[attr-defined]
+    assert len(timers) == 1
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    elapsed = time.monotonic() - started
+    assert all(isinstance(r, AdmissionRejected) for r in results)
+    r0 = results[0]
+    assert isinstance(r0, AdmissionRejected)
+    assert r0.code == "timeout" and r0.http_status == 429 and r0.retry_after_header() is not None
+    assert 0.25 <= elapsed < 2.0  # the CONT waiter ran its full 0.3 s
+    assert sample(ctl, "pdcoord_admission_outcomes_total", **{"class": "cold", "outcome": "timeout"}) == 20
+    assert ctl.snapshot()["queued_requests"] == 0
+    await asyncio.sleep(0.35)  # a timer armed for a deadline that went away fires harmlessly
+    assert ctl._timer is None
+    holder.release()
+
+
+async def test_immediate_rejections_raise() -> None:
+    ctl = make({})
+    with pytest.raises(AdmissionRejected) as exc:
+        async with ctl.acquire():
+            pass
+    assert exc.value.code == "no_capacity" and exc.value.http_status == 503
+    ctl.set_shares({"d1": 2})
+    with pytest.raises(AdmissionRejected) as exc:
+        await ctl.acquire_lease(slots=3)
+    assert exc.value.http_status == 400 and exc.value.retry_after_header() is None
+
+
+async def test_gauges_coalesce_per_tick_and_skip_unchanged_values() -> None:
+    ctl = make({"d1": 64})
+    await settle()
+    base = ctl.publish_count
+    leases = await asyncio.gather(*(ctl.acquire_lease() for _ in range(40)))
+    await settle()
+    assert ctl.publish_count - base <= 2  # 40 grants, at most a couple of publications
+    assert sample(ctl, "pdcoord_admission_active_slots") == 40
+    assert sample(ctl, "pdcoord_admission_capacity_slots") == 64
+    n = ctl.publish_count
+    for lease in leases:
+        lease.release()
+    assert ctl.publish_count == n  # nothing published synchronously inside the tick
+    await settle()
+    assert ctl.publish_count == n + 1 and sample(ctl, "pdcoord_admission_active_slots") == 0
+    # acquire and release within one tick: the values end where they were, nothing is published
+    lease = await ctl.acquire_lease()
+    lease.release()
+    await settle()
+    assert ctl.publish_count == n + 1
+
+
+async def test_queue_gauges_and_growth_wakes_waiters() -> None:
+    ctl = make({"d1": 1}, queue_waves=10)
+    holder = await ctl.acquire_lease()
+    tasks = [asyncio.create_task(ctl.acquire_lease(slots=1)) for _ in range(3)]
+    await settle()
+    assert sample(ctl, "pdcoord_admission_queued_requests") == 3
+    assert sample(ctl, "pdcoord_admission_queued_slots") == 3
+    ctl.set_shares({"d1": 1, "d2": 3})
+    leases = await asyncio.wait_for(asyncio.gather(*tasks), 1)
+    assert {lease.node for lease in leases} == {"d2"}
+    await settle()
+    assert sample(ctl, "pdcoord_admission_queued_requests") == 0
+    for lease in [*leases, holder]:
+        lease.release()
+
+
+async def test_observe_output_promotes_waiters() -> None:
+    ctl = make({"d1": 1}, queue_waves=10)
+    holder = await ctl.acquire_lease(session_id="other")
+    cold = asyncio.create_task(ctl.acquire_lease(request_class=RequestClass.PROBABLE_CACHE_HIT))
+    await settle()
+    sess = asyncio.create_task(ctl.acquire_lease(request_class=COLD, session_id="s"))
+    await settle()
+    assert ctl.classify("s") is COLD
+    ctl.observe_output("s")
+    assert ctl.classify("s") is CONT
+    holder.release()
+    lease = await asyncio.wait_for(sess, 1)
+    assert lease.request_class is CONT and not cold.done()
+    lease.release()
+    (await asyncio.wait_for(cold, 1)).release()
+
+
+async def test_bypass_and_two_controllers_in_one_process() -> None:
+    a = AdmissionController(AdmissionPolicy(bypass=True))
+    b = AdmissionController(AdmissionPolicy(bypass=True))
+    a.set_shares({"d1": 1})
+    leases = [await a.acquire_lease(slots=2) for _ in range(3)]
+    assert a.core.active == 6 and b.core.active == 0
+    for lease in leases:
+        lease.release()
+    assert a.core.active == 0
+    a.close()
+    b.close()
+
+
+def test_cli_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = EnvArgumentParser(prog="pdmaster", env_prefix="PDMASTER")
+    add_admission_flags(parser)
+    p = policy_from_args(parser.parse_args(["--disable_pd_master_decode_capacity_limit"]))
+    assert p.bypass
+    p = policy_from_args(parser.parse_args(["--admission-weights", "4:2:1", "--admission-queue-waves", "2"]))
+    assert not p.bypass and p.weights[CONT] == 4 and p.queue_waves == 2 and p.max_wait_s[COLD] == 5
+    monkeypatch.setenv("PDMASTER_DISABLE_DECODE_CAPACITY_LIMIT", "true")
+    parser = EnvArgumentParser(prog="pdmaster", env_prefix="PDMASTER")
+    add_admission_flags(parser)
+    assert policy_from_args(parser.parse_args([])).bypass
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--admission-weights", "8:3"])

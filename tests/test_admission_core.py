@@ -1,0 +1,431 @@
+"""Unit tests of the admission core, one (or a few) per behaviour of DESIGN §6."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdmaster.admission import (
+    AdmissionCore,
+    AdmissionPolicy,
+    RequestClass,
+    SessionTracker,
+    Ticket,
+    TicketState,
+    classify_request,
+)
+
+CONT = RequestClass.CONTINUATION
+PROB = RequestClass.PROBABLE_CACHE_HIT
+COLD = RequestClass.COLD
+Q, G = TicketState.QUEUED, TicketState.GRANTED
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(shares: dict[str, int], clock: Clock | None = None, **policy: object) -> AdmissionCore:
+    core = AdmissionCore(AdmissionPolicy(**policy), clock=clock or Clock())  # type: ignore[arg-type]
+    core.set_shares(shares)
+    return core
+
+
+def granted(changes: list[Ticket]) -> list[Ticket]:
+    return [t for t in changes if t.state is G]
+
+
+def test_drr_capacity_one_grants_8_then_3_then_1() -> None:
+    core = make({"d1": 1}, queue_waves=20)
+    blocker = core.submit(1, COLD)
+    assert blocker.state is G and blocker.node == "d1"
+    # arrival order deliberately mixed, COLD first
+    for cls in [COLD, PROB, CONT, PROB, CONT, CONT, PROB, CONT, CONT, CONT, CONT, CONT]:
+        assert core.submit(1, cls).state is Q
+    order = []
+    cur = blocker
+    for _ in range(12):
+        (cur,) = granted(core.release(cur))
+        order.append(cur.request_class)
+    assert order == [CONT] * 8 + [PROB] * 3 + [COLD]
+
+
+def test_drr_weights_are_configurable() -> None:
+    core = make({"d1": 1}, queue_waves=20, weights={CONT: 2, PROB: 1, COLD: 1})
+    cur = core.submit(1, COLD)
+    for cls in [COLD, COLD, PROB, PROB, CONT, CONT, CONT, CONT]:
+        core.submit(1, cls)
+    order = []
+    for _ in range(8):
+        (cur,) = granted(core.release(cur))
+        order.append(cur.request_class)
+    assert order == [CONT, CONT, PROB, COLD, CONT, CONT, PROB, COLD]
+
+
+def test_drr_is_charged_in_slots() -> None:
+    core = make({"d1": 2}, queue_waves=50, weights={CONT: 2, PROB: 1, COLD: 2})
+    big = core.submit(2, COLD)
+    for _ in range(4):
+        core.submit(2, CONT)
+    for _ in range(8):
+        core.submit(1, COLD)
+    got = granted(core.release(big))
+    assert [(t.request_class, t.slots) for t in got] == [(CONT, 2)]
+    # one 2-slot gang costs CONT its whole quantum: the next wave is COLD's two singles
+    got = granted(core.release(got[0]))
+    assert [(t.request_class, t.slots) for t in got] == [(COLD, 1), (COLD, 1)]
+
+
+def test_fifo_inside_a_class() -> None:
+    core = make({"d1": 1}, queue_waves=10)
+    first = core.submit(1, COLD)
+    waiting = [core.submit(1, COLD) for _ in range(5)]
+    cur, seen = first, []
+    for _ in range(5):
+        (cur,) = granted(core.release(cur))
+        seen.append(cur)
+    assert seen == waiting
+
+
+def test_gang_backfill_then_reservation_then_runs() -> None:
+    core = make({"d1": 4}, queue_waves=8, backfill_waves=1.0)
+    running = [core.submit(1, COLD) for _ in range(3)]
+    gang = core.submit(4, COLD)
+    assert gang.state is Q
+    smalls = [core.submit(1, COLD) for _ in range(6)]
+    # the 4th slot is free: the gang does not fit, a later small request backfills at once
+    assert smalls[0].state is G
+    snap = core.snapshot()["backfill"]
+    assert snap["gang_ticket"] == gang.id and snap["used_slots"] == 1 and not snap["reserved"]
+    running.append(smalls[0])
+    backfilled = 1
+    while not core.snapshot()["backfill"]["reserved"]:
+        got = granted(core.release(running.pop(0)))
+        assert got and got[0] in smalls and gang.state is Q
+        running.extend(got)
+        backfilled += len(got)
+    assert backfilled == 4  # exactly one decode wave (capacity 4) of backfill
+    # reserved: freed slots now wait for the gang, nothing else bypasses it
+    for _ in range(3):
+        assert core.release(running.pop(0)) == []
+        assert core.max_free() > 0
+    assert core.active == 1
+    got = granted(core.release(running.pop(0)))
+    assert got == [gang] and gang.node == "d1"
+    snap = core.snapshot()["backfill"]
+    assert snap["gang_ticket"] is None and not snap["reserved"] and snap["used_slots"] == 0
+    assert core.release(gang) and all(t.state is G for t in smalls[4:6])
+
+
+def test_gang_needs_all_slots_on_one_node() -> None:
+    core = make({"d1": 4, "d2": 4}, queue_waves=4)
+    held = [core.submit(1, COLD) for _ in range(6)]
+    assert {core.active_on("d1"), core.active_on("d2")} == {3}  # spread over nodes
+    core.release(held[0])
+    core.release(held[1])  # 4 slots free in total, at most 2 on one node
+    gang = core.submit(4, CONT)
+    assert gang.state is Q
+    nodes = {"d1": [t for t in held[2:] if t.node == "d1"], "d2": [t for t in held[2:] if t.node == "d2"]}
+    target = "d1" if len(nodes["d1"]) <= len(nodes["d2"]) else "d2"
+    changes: list[Ticket] = []
+    for t in nodes[target]:
+        changes += core.release(t)
+    assert gang.state is G and gang.node == target and gang in changes
+    assert core.active_on(target) == 4
+
+
+def test_full_queue_of_session_blocked_waiters_cannot_idle_slots() -> None:
+    core = make({"d1": 4}, queue_waves=1.0)
+    lease = core.submit(1, COLD, session_id="s")
+    blocked = [core.submit(1, CONT, session_id="s") for _ in range(4)]
+    assert lease.state is G and all(t.state is Q for t in blocked)
+    assert core.queued_slots == core.queue_bound == 4
+    # the queue is full but every waiter is session-blocked: arrivals that fit run at once
+    other = core.submit(1, COLD, session_id="other")
+    anon = core.submit(1, COLD)
+    assert other.state is G and anon.state is G and core.active == 3
+    # ...but never past the blocked session's own FIFO
+    same = core.submit(1, CONT, session_id="s")
+    assert same.state is TicketState.REJECTED and same.reason and same.reason.code == "queue_full"
+    assert same.reason.http_status == 429 and same.reason.retry_after_s is not None
+
+
+def test_same_session_fifo_while_other_sessions_proceed() -> None:
+    core = make({"d1": 2}, queue_waves=4)
+    a = core.submit(1, COLD, session_id="s")
+    b = core.submit(1, CONT, session_id="s")
+    c = core.submit(1, CONT, session_id="s")
+    assert a.state is G and b.state is Q and c.state is Q
+    t1 = core.submit(1, COLD, session_id="t")
+    assert t1.state is G  # another session passes the blocked one
+    core.release(t1)
+    u1 = core.submit(1, COLD)
+    assert u1.state is G and b.state is Q
+    assert granted(core.release(a)) == [b]
+    assert c.state is Q  # at most one lease per session
+    assert granted(core.release(b)) == [c]
+    core.release(c)
+    assert core.snapshot()["sessions"] == 0
+
+
+def test_session_waiter_cancelled_passes_headship_on() -> None:
+    core = make({"d1": 1}, queue_waves=4)
+    a = core.submit(1, COLD, session_id="s")
+    b = core.submit(1, COLD, session_id="s")
+    c = core.submit(1, COLD, session_id="s")
+    assert core.cancel(b) == [b] and b.state is TicketState.CANCELLED
+    assert granted(core.release(a)) == [c]
+
+
+def test_promotion_moves_waiters_keeps_order_and_extends_deadline() -> None:
+    clock = Clock()
+    core = make({"d1": 1}, clock, queue_waves=10)
+    blocker = core.submit(1, COLD)
+    p1 = core.submit(1, PROB)
+    s1 = core.submit(1, COLD, session_id="s")
+    s2 = core.submit(1, COLD, session_id="s")
+    assert s1.deadline == pytest.approx(clock.now + 5)
+    assert core.promote_session("s") == []
+    assert s1.request_class is CONT and s2.request_class is CONT
+    assert s1.deadline == pytest.approx(s1.enqueued_at + 30) and s2.deadline == pytest.approx(
+        s2.enqueued_at + 30
+    )
+    snap = core.snapshot()["classes"]
+    assert snap["continuation"]["queued_requests"] == 2 and snap["cold"]["queued_requests"] == 0
+    clock.now += 10  # past COLD and within CONTINUATION timeouts
+    assert core.expire() == [] and s1.state is Q and p1.state is Q
+    clock.now += 6  # p1 (PROB, 15 s) times out
+    assert core.expire() == [p1] and p1.reason and p1.reason.code == "timeout"
+    assert granted(core.release(blocker)) == [s1]
+    assert granted(core.release(s1)) == [s2]
+
+
+def test_replacement_evicts_lowest_class_newest_first_all_or_nothing() -> None:
+    core = make({"d1": 2}, queue_waves=1)
+    core.submit(1, COLD), core.submit(1, COLD)
+    c1, c2 = core.submit(1, COLD), core.submit(1, COLD)
+    assert core.queued_slots == 2 == core.queue_bound
+    refused = core.submit(1, COLD)  # same class: no replacement
+    assert refused.state is TicketState.REJECTED and refused.reason and refused.reason.code == "queue_full"
+    p = core.submit(1, PROB)
+    assert p.state is Q and c2.state is TicketState.EVICTED and c1.state is Q
+    assert c2.reason and c2.reason.code == "evicted" and c2.reason.http_status == 429
+    assert core.last_changes == [c2]
+    # CONT gang of 2 needs both queued slots: COLD c1 first, then PROB p
+    gang = core.submit(2, CONT)
+    assert gang.state is Q and c1.state is TicketState.EVICTED and p.state is TicketState.EVICTED
+    # all-or-nothing: a PROB arrival cannot evict CONT, nothing is touched
+    p2 = core.submit(1, PROB)
+    assert p2.state is TicketState.REJECTED and gang.state is Q
+
+
+def test_replacement_refuses_when_lower_classes_do_not_free_enough() -> None:
+    core = make({"d1": 2}, queue_waves=1.5)  # bound 3 slots
+    core.submit(2, COLD)
+    g = core.submit(2, PROB)
+    c = core.submit(1, COLD)
+    assert g.state is Q and c.state is Q and core.queued_slots == 3
+    gang = core.submit(2, CONT)  # needs 2 queued slots: COLD c goes first, then PROB g
+    assert gang.state is Q and c.state is TicketState.EVICTED and g.state is TicketState.EVICTED
+    core2 = make({"d1": 2}, queue_waves=1.5)
+    core2.submit(2, COLD)
+    h = core2.submit(2, CONT)
+    k = core2.submit(1, COLD)
+    big = core2.submit(2, PROB)  # only COLD k (1 slot) is lower: not enough → refuse, evict nobody
+    assert big.state is TicketState.REJECTED and k.state is Q and h.state is Q
+
+
+def test_immediate_failures_carry_codes_statuses_and_retry_hints() -> None:
+    core = AdmissionCore(AdmissionPolicy(), clock=Clock())
+    t = core.submit(1, COLD)
+    assert t.state is TicketState.REJECTED and t.reason and t.reason.code == "no_capacity"
+    assert t.reason.http_status == 503 and t.reason.retry_after_s
+    core.set_shares({"d1": 2, "d2": 2}, node_capacity={"d1": 4, "d2": 2})
+    t = core.submit(3, COLD)  # fits d1 when the fleet is whole, not now
+    assert t.reason and (t.reason.code, t.reason.http_status) == ("cannot_fit_now", 429)
+    t = core.submit(5, COLD)  # never fits
+    assert t.reason and (t.reason.code, t.reason.http_status, t.reason.retry_after_s) == (
+        "unsatisfiable",
+        400,
+        None,
+    )
+    t = core.submit(0, COLD)
+    assert t.reason and t.reason.http_status == 400
+    outcomes = core.outcome_counts()["cold"]
+    assert outcomes["no_capacity"] == 1 and outcomes["cannot_fit_now"] == 1 and outcomes["unsatisfiable"] == 1
+
+
+def test_shrink_fails_unfittable_gangs_trims_and_drains() -> None:
+    core = make({"d1": 4, "d2": 4}, queue_waves=1.0)
+    held = [core.submit(1, COLD) for _ in range(8)]
+    gang = core.submit(4, PROB)
+    cold = [core.submit(1, COLD) for _ in range(2)]
+    cont = core.submit(1, CONT)
+    prob = core.submit(1, PROB)
+    assert core.queued_slots == 8
+    changes = core.set_shares({"d1": 2, "d2": 2}, node_capacity={"d1": 4, "d2": 4})
+    assert gang.state is TicketState.REJECTED and gang.reason and gang.reason.code == "cannot_fit_now"
+    # new bound 4 slots: 4 queued singles remain, none trimmed; shrink further → trim COLD newest first
+    assert core.queued_slots == 4 and gang in changes
+    changes = core.set_shares({"d1": 2}, node_capacity={"d1": 4})
+    assert core.queue_bound == 2 and core.queued_slots == 2
+    assert cold[1].state is TicketState.EVICTED and cold[0].state is TicketState.EVICTED
+    assert cont.state is Q and prob.state is Q and set(changes) == {cold[0], cold[1]}
+    # granted leases run on (8 active > capacity 2) and drain; no new grant until below the share
+    assert core.active == 8
+    on_d1 = [t for t in held if t.node == "d1"]
+    on_d2 = [t for t in held if t.node == "d2"]
+    for t in on_d2:
+        assert granted(core.release(t)) == []
+    for t in on_d1[:2]:
+        assert granted(core.release(t)) == []
+    assert granted(core.release(on_d1[2])) == [cont]
+    assert core.active_on("d1") == 2 and core.active_on("d2") == 0
+
+
+def test_zero_capacity_fails_everything_queued() -> None:
+    core = make({"d1": 1}, queue_waves=10)
+    lease = core.submit(1, COLD)
+    queued = [core.submit(n, c) for n, c in [(1, CONT), (1, PROB), (1, COLD)]]
+    changes = core.set_shares({})
+    assert set(changes) == set(queued)
+    for t in queued:
+        assert t.state is TicketState.REJECTED and t.reason and t.reason.code == "no_capacity"
+        assert t.reason.http_status == 503
+    assert core.queued_slots == 0 and core.active == 1
+    assert core.release(lease) == [] and core.active == 0
+
+
+def _reserved_gang(clock: Clock) -> tuple[AdmissionCore, Ticket, list[Ticket], list[Ticket]]:
+    core = make({"d1": 2}, clock, queue_waves=8, backfill_waves=1.0)
+    running = [core.submit(1, COLD), core.submit(1, COLD)]
+    gang = core.submit(2, CONT)
+    smalls = [core.submit(1, COLD) for _ in range(5)]
+    for _ in range(2):
+        running += granted(core.release(running.pop(0)))
+    assert core.snapshot()["backfill"]["reserved"]
+    core.release(running.pop(0))
+    assert core.max_free() == 1 and gang.state is Q
+    return core, gang, running, smalls
+
+
+def test_cancel_of_reserved_gang_clears_reservation() -> None:
+    core, gang, _, smalls = _reserved_gang(Clock())
+    changes = core.cancel(gang)
+    assert gang in changes and gang.state is TicketState.CANCELLED
+    assert granted(changes) == [smalls[2]]  # the idle slot goes to the next waiter at once
+    bf = core.snapshot()["backfill"]
+    assert bf["gang_ticket"] is None and not bf["reserved"] and bf["used_slots"] == 0
+
+
+def test_timeout_of_reserved_gang_clears_reservation() -> None:
+    clock = Clock()
+    core, gang, _, smalls = _reserved_gang(clock)
+    # the gang (CONT, 30 s) outlives the COLD smalls (5 s) only if they are younger; move past both
+    clock.now += 31
+    changes = core.expire()
+    assert gang.state is TicketState.EXPIRED and gang.reason and gang.reason.code == "timeout"
+    assert not core.snapshot()["backfill"]["reserved"] and core.snapshot()["backfill"]["gang_ticket"] is None
+    assert all(t.state is TicketState.EXPIRED for t in smalls[2:]) and set(smalls[2:]) <= set(changes)
+
+
+def test_next_deadline_and_expire() -> None:
+    clock = Clock()
+    core = make({"d1": 1}, clock, queue_waves=10)
+    assert core.next_deadline() is None
+    core.submit(1, COLD)
+    cold = core.submit(1, COLD)
+    cont = core.submit(1, CONT)
+    assert core.next_deadline() == pytest.approx(clock.now + 5)
+    core.cancel(cold)
+    assert core.next_deadline() == pytest.approx(clock.now + 30)
+    clock.now += 29.9
+    assert core.expire() == []
+    clock.now += 0.1
+    assert core.expire() == [cont] and core.next_deadline() is None
+
+
+def test_equal_shares_do_not_disturb_drr_or_backfill_state() -> None:
+    core = make({"d1": 2, "d2": 1}, queue_waves=10)
+    held = [core.submit(1, COLD) for _ in range(3)]
+    for c in [CONT, CONT, PROB, COLD, CONT]:
+        core.submit(1, c)
+    core.submit(2, COLD)
+    core.release(held[0])
+    before = core.snapshot()
+    assert core.set_shares({"d1": 2, "d2": 1, "d3": 0}) == []
+    assert core.set_shares({"d2": 1, "d1": 2}) == []
+    assert core.snapshot() == before
+
+
+def test_growth_drives_the_queue_at_once() -> None:
+    core = make({"d1": 1}, queue_waves=5)
+    core.submit(1, COLD)
+    waiting = [core.submit(1, COLD) for _ in range(3)]
+    changes = core.set_shares({"d1": 1, "d2": 3})
+    assert set(granted(changes)) == set(waiting)
+    assert all(t.node == "d2" for t in waiting)
+
+
+def test_release_is_idempotent_and_cancel_of_granted_releases() -> None:
+    core = make({"d1": 1}, queue_waves=5)
+    a = core.submit(1, COLD)
+    b = core.submit(1, COLD)
+    assert granted(core.release(a)) == [b]
+    assert core.release(a) == [] and core.active == 1
+    assert core.cancel(b) == [] and b.released and core.active == 0
+    assert core.release(b) == [] and core.active == 0
+    assert a.done and b.done
+
+
+def test_bypass_grants_everything_and_only_counts() -> None:
+    core = make({"d1": 1}, bypass=True)
+    ts = [core.submit(4, COLD, session_id="s") for _ in range(5)]
+    assert all(t.state is G for t in ts) and core.active == 20 and core.queued_slots == 0
+    none = AdmissionCore(AdmissionPolicy(bypass=True), clock=Clock()).submit(1, COLD)
+    assert none.state is G and none.node is None
+    for t in ts:
+        core.release(t)
+        core.release(t)
+    assert core.active == 0 and core.snapshot()["bypass"] is True
+
+
+def test_snapshot_and_wanted_slots() -> None:
+    core = make({"d1": 2, "d2": 2}, queue_waves=2)
+    core.submit(2, CONT), core.submit(1, COLD), core.submit(1, COLD)
+    core.submit(2, PROB)
+    core.submit(1, COLD)
+    snap = core.snapshot()
+    assert snap["capacity"] == 4 and snap["active"] == 4 and snap["queued_slots"] == 3
+    assert core.wanted_slots() == 3 and snap["classes"]["probable_cache_hit"]["queued_slots"] == 2
+    assert (
+        snap["nodes"]["d1"]["share"] == 2
+        and snap["nodes"]["d1"]["active"] + snap["nodes"]["d2"]["active"] == 4
+    )
+    assert snap["outcomes"]["continuation"]["granted"] == 1
+
+
+def test_session_tracker_ttl_lru_and_classification() -> None:
+    clock = Clock()
+    tr = SessionTracker(clock=clock, ttl_s=10, max_sessions=2)
+    assert classify_request("a", None, tr) is COLD
+    assert classify_request("a", 0.5, tr) is PROB and classify_request("a", 0.49, tr) is COLD
+    assert tr.observe_output("a") is True and tr.observe_output("a") is False
+    assert classify_request("a", None, tr) is CONT
+    tr.observe_output("b")
+    tr.observe_output("c")  # LRU bound 2: "a" goes
+    assert not tr.is_continuation("a") and tr.is_continuation("c") and len(tr) == 2
+    clock.now += 10
+    assert not tr.is_continuation("b") and not tr.is_continuation(None)
+
+
+def test_policy_validation() -> None:
+    with pytest.raises(ValueError):
+        AdmissionPolicy(weights={CONT: 8, PROB: 0, COLD: 1})
+    with pytest.raises(ValueError):
+        AdmissionPolicy(queue_waves=-1)
+    with pytest.raises(ValueError):
+        make({"d1": -1})
