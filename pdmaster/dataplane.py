@@ -261,9 +261,7 @@ class DataPlane:
             self.metrics.ttft.labels(endpoint=endpoint).observe(time.perf_counter() - arrived)
             self._output_seen(session_id)
             self.metrics.requests.labels(endpoint=endpoint, status="200").inc()
-            return web.Response(
-                body=body, content_type="application/json", headers={"X-Request-Id": request_id}
-            )
+            return web.Response(body=body, content_type="application/json", headers=tags)
         except (aiohttp.ClientError, TimeoutError) as exc:
             return self._error(
                 endpoint, 502, f"decode {decode.node_id} failed: {exc}", type_="upstream_error"

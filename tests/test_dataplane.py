@@ -58,9 +58,9 @@ def post(url: str, json_body: object = None, *, content: bytes | str | None = No
                                  headers={"Content-Type": "application/json", **(headers or {})})  # fmt: skip
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return Resp(r.status, dict(r.headers), r.read())
+            return Resp(r.status, r.headers, r.read())  # type: ignore[arg-type]
     except urllib.error.HTTPError as e:
-        return Resp(e.code, dict(e.headers), e.read())
+        return Resp(e.code, e.headers, e.read())  # type: ignore[arg-type]
 
 
 class Fleet:
@@ -138,9 +138,7 @@ def test_generate_with_sglang_request_shape(fleet: Fleet) -> None:
     out = r.json()
     assert out["text"] and out["meta_info"]["completion_tokens"] == 6
     assert r.headers["X-Request-Id"]
-    r = post(
-        fleet.url + "/generate", {**body, "stream": True}, headers={"X-Request-Id": "abc"}
-    )
+    r = post(fleet.url + "/generate", {**body, "stream": True}, headers={"X-Request-Id": "abc"})
     assert r.status_code == 200 and r.headers["X-Request-Id"] == "abc"
     assert r.text.rstrip().endswith("data: [DONE]")
 
@@ -183,10 +181,10 @@ def _hit_rate(fleet: Fleet) -> tuple[float, float]:
 
 def _shared_prefix_round(url: str, tag: str) -> list[str]:
     classes = []
-    prefixes = [f"{tag} system prompt number {k}: " + "you are a careful assistant. " * 30 for k in range(4)]
+    prefixes = [f"{tag} system prompt number {k}: " + "you are a careful assistant. " * 30 for k in range(3)]
     if True:
         for i in range(24):
-            prompt = prefixes[i % 4] + f"question {i}"
+            prompt = prefixes[i % 3] + f"question {i}"
             r = post(url + "/v1/completions", {"model": "sim", "prompt": prompt, "max_tokens": 2})
             assert r.status_code == 200, r.text
             classes.append(r.headers.get("X-Admission-Class", ""))
