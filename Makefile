@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo lint proto proto-check bench clean
+.PHONY: venv test demo lint proto proto-check bench helm clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,15 @@ proto: $(STAMP)
 ## Fail when the committed generated modules differ from a fresh generation.
 proto-check: $(STAMP)
 	$(BIN)/python -m pdcoord.protogen --check
+
+## Rerun the benchmarks (results in bench/results/, summary in bench/README.md).
+bench: $(STAMP)
+	$(BIN)/python bench/admission_bench.py
+	$(BIN)/python bench/admission_sim.py
+
+## Fetch helm (for the chart tests) into the virtual environment.
+helm: $(STAMP)
+	bash scripts/get-helm.sh $(BIN)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
