@@ -1,10 +1,9 @@
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -13,29 +12,19 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_UNSPECIFIED: _ClassVar[Role]
     PREFILL: _ClassVar[Role]
     DECODE: _ClassVar[Role]
-
 ROLE_UNSPECIFIED: Role
 PREFILL: Role
 DECODE: Role
 
 class Register(_message.Message):
-    __slots__ = (
-        "agent_version",
-        "endpoint",
-        "incarnation",
-        "node_id",
-        "role",
-        "running_max_req_size",
-        "start_args",
-    )
+    __slots__ = ("node_id", "role", "endpoint", "running_max_req_size", "start_args", "agent_version", "incarnation")
     class StartArgsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: str
-        def __init__(self, key: str | None = ..., value: str | None = ...) -> None: ...
-
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -50,19 +39,10 @@ class Register(_message.Message):
     start_args: _containers.ScalarMap[str, str]
     agent_version: str
     incarnation: int
-    def __init__(
-        self,
-        node_id: str | None = ...,
-        role: Role | str | None = ...,
-        endpoint: str | None = ...,
-        running_max_req_size: int | None = ...,
-        start_args: _Mapping[str, str] | None = ...,
-        agent_version: str | None = ...,
-        incarnation: int | None = ...,
-    ) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., endpoint: _Optional[str] = ..., running_max_req_size: _Optional[int] = ..., start_args: _Optional[_Mapping[str, str]] = ..., agent_version: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("kv_usage", "probe_ok", "running", "waiting")
+    __slots__ = ("running", "waiting", "kv_usage", "probe_ok")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -71,13 +51,7 @@ class Load(_message.Message):
     waiting: int
     kv_usage: float
     probe_ok: bool
-    def __init__(
-        self,
-        running: int | None = ...,
-        waiting: int | None = ...,
-        kv_usage: float | None = ...,
-        probe_ok: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., probe_ok: _Optional[bool] = ...) -> None: ...
 
 class Report(_message.Message):
     __slots__ = ("load", "seq")
@@ -85,43 +59,36 @@ class Report(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     load: Load
     seq: int
-    def __init__(self, load: Load | _Mapping | None = ..., seq: int | None = ...) -> None: ...
+    def __init__(self, load: _Optional[_Union[Load, _Mapping]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class Leaving(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: str | None = ...) -> None: ...
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("leaving", "register", "report")
+    __slots__ = ("register", "report", "leaving")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     register: Register
     report: Report
     leaving: Leaving
-    def __init__(
-        self,
-        register: Register | _Mapping | None = ...,
-        report: Report | _Mapping | None = ...,
-        leaving: Leaving | _Mapping | None = ...,
-    ) -> None: ...
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., report: _Optional[_Union[Report, _Mapping]] = ..., leaving: _Optional[_Union[Leaving, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("active_slots", "applied_epoch", "master_id")
+    __slots__ = ("master_id", "applied_epoch", "active_slots")
     MASTER_ID_FIELD_NUMBER: _ClassVar[int]
     APPLIED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     master_id: str
     applied_epoch: int
     active_slots: int
-    def __init__(
-        self, master_id: str | None = ..., applied_epoch: int | None = ..., active_slots: int | None = ...
-    ) -> None: ...
+    def __init__(self, master_id: _Optional[str] = ..., applied_epoch: _Optional[int] = ..., active_slots: _Optional[int] = ...) -> None: ...
 
 class MasterMessage(_message.Message):
     __slots__ = ("ack",)
     ACK_FIELD_NUMBER: _ClassVar[int]
     ack: Ack
-    def __init__(self, ack: Ack | _Mapping | None = ...) -> None: ...
+    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ...) -> None: ...
