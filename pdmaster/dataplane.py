@@ -166,13 +166,15 @@ class DataPlane:
         endpoint = request.path
         arrived = time.perf_counter()
         if self.is_draining():
-            return self._error(
+            resp = self._error(
                 endpoint,
                 503,
                 "this master is shutting down; retry on another",
                 code="draining",
                 retry_after=1,
             )
+            resp.force_close()  # no keep-alive into a closing server
+            return resp
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:

@@ -34,6 +34,12 @@ def build_parser() -> EnvArgumentParser:
         default=10.0,
         help="seconds to wait for in-flight requests on SIGTERM before revoking the lease",
     )
+    g.add_argument(
+        "--shutdown-linger",
+        type=float,
+        default=1.0,
+        help="seconds to keep answering 503 'draining' after the lease is revoked, before closing",
+    )
     g = p.add_argument_group("listeners")
     g.add_argument("--http-host", default="0.0.0.0", help="HTTP API listen address")
     g.add_argument("--http-port", type=port, default=8000, help="HTTP API port (0 = any free port)")

@@ -200,6 +200,9 @@ class MasterServer:
             await self.drain()
         except Exception:  # etcd may be gone; the lease then expires by itself
             log.exception("drain failed")
+        # Keep answering (503 "draining", Connection: close) a little longer, so clients and load
+        # balancers that have not yet noticed the shutdown get an explicit answer, not a reset.
+        await asyncio.sleep(self.args.shutdown_linger)
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=0.5)
         if self.http_runner is not None:
