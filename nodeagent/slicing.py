@@ -54,7 +54,6 @@ class MasterView:
     connected: bool = False
     # When the stream went down (monotonic seconds); None while connected or never connected.
     down_since: float | None = None
-    ever_connected: bool = False
 
 
 @dataclass
@@ -95,7 +94,6 @@ class Slicer:
     def stream_up(self, master_id: str, now: float, time_ns: int) -> bool:
         view = self.views.setdefault(master_id, MasterView())
         view.connected = True
-        view.ever_connected = True
         view.down_since = None
         return self._recompute(now, time_ns)
 

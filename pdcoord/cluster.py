@@ -24,6 +24,23 @@ def http_json(url: str, timeout: float = 2.0) -> Any:
         return json.loads(resp.read())
 
 
+def scrape_metrics(url: str, timeout: float = 3.0) -> dict[str, float]:
+    """Prometheus text of ``url``/metrics as metric name -> value (label sets summed)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        name = series.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
 def _flags(extra: dict[str, object] | None) -> list[str]:
     out: list[str] = []
     for key, value in (extra or {}).items():
@@ -56,6 +73,10 @@ class Master:
     def shares(self) -> dict[str, int]:
         """node_id -> effective share this master holds (0 when the stream is down)."""
         return {n["node_id"]: int(n["effective_share"]) for n in self.admission()["nodes"]}
+
+    def epochs(self) -> dict[str, int]:
+        """node_id -> capacity epoch this master holds."""
+        return {n["node_id"]: int(n["epoch"]) for n in self.admission()["nodes"]}
 
 
 @dataclass

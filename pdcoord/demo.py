@@ -13,30 +13,15 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections import Counter, defaultdict
 
-from pdcoord.cluster import LocalCluster
+from pdcoord.cluster import LocalCluster, scrape_metrics
 from pdcoord.etcd_server import LocalEtcd
 from pdcoord.launcher import ProcessGroup
 from pdcoord.workload import Outcome, Workload, WorkloadConfig, percentile
 
 PREFILL = {"p1": 32, "p2": 32}
 DECODE = {"d1": 8, "d2": 8, "d3": 4}
-
-
-def scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=2) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            try:
-                out[name] = float(value)
-            except ValueError:
-                pass
-    return out
 
 
 def fmt_table(rows: list[list[str]], header: list[str]) -> str:
@@ -177,7 +162,7 @@ class Demo:
         rows = []
         queued_total = 0.0
         for name, cap in DECODE.items():
-            mt = scrape(c.engines[name].url)
+            mt = scrape_metrics(c.engines[name].url)
             peak, queued = mt.get("pdsim_max_running", 0.0), mt.get("pdsim_queued_total", 0.0)
             queued_total += queued
             rows.append([name, str(cap), f"{peak:.0f}", f"{queued:.0f}"])

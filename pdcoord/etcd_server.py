@@ -14,13 +14,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 import weakref
 from pathlib import Path
 from types import FrameType, TracebackType
 
+from .launcher import ManagedProcess, ProcessError
 from .netutil import free_port, port_open
 
 ENV_BIN = "PDCOORD_ETCD_BIN"
@@ -154,7 +154,7 @@ class LocalEtcd:
         self.name = name
         self.log_level = log_level
         self.binary = binary
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: ManagedProcess | None = None
         self.starts = 0
 
     # ------------------------------------------------------------ properties
@@ -171,11 +171,11 @@ class LocalEtcd:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self._proc.pid if self._proc is not None and self._proc.starts else None
 
     @property
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._proc is not None and self._proc.alive
 
     @property
     def log_path(self) -> Path:
@@ -222,44 +222,28 @@ class LocalEtcd:
             name=self.name,
             log_level=self.log_level,
         )
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            log.write(f"--- starting {' '.join(argv)}\n".encode())
-            log.flush()
-            self._proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                code = self._proc.returncode
-                raise EtcdServerError(
-                    f"etcd exited with code {code} during startup on {self.endpoint}; "
-                    f"last lines of {self.log_path}:\n{self.tail()}"
-                )
-            if etcd_healthy(self.host, self.port, timeout=0.5):
-                return
-            time.sleep(0.05)
-        self._signal_and_wait(signal.SIGKILL, 5.0)
-        raise EtcdServerError(
-            f"etcd on {self.endpoint} was not healthy after {timeout:.1f} s; "
-            f"last lines of {self.log_path}:\n{self.tail()}"
+        # The shared launcher owns spawning, logging and stopping by PID; etcd only adds its health check.
+        self._proc = ManagedProcess(
+            "etcd",
+            argv,
+            env=None,
+            log_path=self.log_path,
+            ready=lambda: etcd_healthy(self.host, self.port, timeout=0.5),
+            ready_timeout=timeout,
+            cwd=None,
         )
+        try:
+            self._proc.start()
+        except ProcessError as exc:
+            raise EtcdServerError(f"etcd on {self.endpoint} did not start: {exc}") from exc
 
     def _signal_and_wait(self, sig: signal.Signals, timeout: float) -> int | None:
         proc = self._proc
-        if proc is None:
+        if proc is None or not proc.starts:
             return None
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, sig)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        return proc.returncode
+        if sig == signal.SIGKILL:
+            return proc.kill() if proc.alive else proc.returncode
+        return proc.terminate(timeout)
 
     def stop_process(self, timeout: float = 10.0) -> int | None:
         """SIGTERM etcd (SIGKILL after *timeout*), keeping the data dir for a later start/restart."""

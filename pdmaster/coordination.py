@@ -130,7 +130,6 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                     node_id,
                     stream,
                     Load(rep.load.running, rep.load.waiting, rep.load.kv_usage, rep.load.probe_ok),
-                    now,
                 )
                 if rep.HasField("grant"):
                     try:

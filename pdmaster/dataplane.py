@@ -148,16 +148,15 @@ class DataPlane:
         return json_error(status, message, **kw)
 
     def _pick_prefill(self, estimate: Any) -> Node | None:
-        candidates = self.registry.live(PREFILL)
+        candidates = self.registry.live(PREFILL)  # sorted by id, cached by the registry
         if not candidates:
             return None
-        by_id = {n.node_id: n for n in candidates}
-        ids = sorted(by_id)
         self._turn += 1
         if self.round_robin:
-            return by_id[ids[self._turn % len(ids)]]
-        loads = {nid: float(self.prefill_inflight[nid]) for nid in ids}
-        chosen = choose_prefill(estimate, loads, ids, tie_breaker=self._turn)
+            return candidates[self._turn % len(candidates)]
+        by_id = {n.node_id: n for n in candidates}
+        loads = {nid: float(self.prefill_inflight[nid]) for nid in by_id}
+        chosen = choose_prefill(estimate, loads, list(by_id), tie_breaker=self._turn)
         return by_id[chosen.node] if chosen is not None else None
 
     async def _handle(

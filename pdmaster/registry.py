@@ -55,7 +55,6 @@ class Node:
     stream: int = 0  # token of the stream that owns this entry
     load: Load = field(default_factory=Load)
     stale_reports: int = 0
-    last_report_at: float = 0.0
 
     @property
     def effective_share(self) -> int:
@@ -101,6 +100,7 @@ class NodeRegistry:
         self.stale_total = 0
         self._connected = 0
         self._capacity = 0
+        self._live: dict[str, list[Node]] = {}
 
     # -- subscription -------------------------------------------------------------------------
     def subscribe(self, listener: SharesListener) -> None:
@@ -120,6 +120,12 @@ class NodeRegistry:
         return self._capacity
 
     def _publish(self) -> None:
+        # Called only when a stream or a share changes, so the per-request views stay O(1).
+        self._live = {
+            role: sorted((n for n in self.nodes.values() if n.role == role and n.effective_share > 0),
+                         key=lambda n: n.node_id)
+            for role in (PREFILL, DECODE)
+        }  # fmt: skip
         shares = {
             n.node_id: n.effective_share
             for n in self.nodes.values()
@@ -232,10 +238,9 @@ class NodeRegistry:
         self._publish()
         return GrantResult.APPLIED
 
-    def report_load(self, node_id: str, stream: int, load: Load, now: float) -> None:
+    def report_load(self, node_id: str, stream: int, load: Load) -> None:
         node = self._owned(node_id, stream)
         node.load = load
-        node.last_report_at = now
 
     def disconnect(self, node_id: str, stream: int) -> None:
         """The stream ended: the node's share counts as 0 at once, until it re-registers."""
@@ -246,13 +251,6 @@ class NodeRegistry:
         self._connected -= 1
         self._publish()
 
-    def forget(self, node_id: str) -> None:
-        """Drop a disconnected node entirely (its etcd key is gone)."""
-        node = self.nodes.get(node_id)
-        if node is not None and not node.connected:
-            del self.nodes[node_id]
-            self._publish()
-
     def _owned(self, node_id: str, stream: int) -> Node:
         node = self.nodes.get(node_id)
         if node is None or node.stream != stream or not node.connected:
@@ -261,7 +259,8 @@ class NodeRegistry:
 
     # -- views --------------------------------------------------------------------------------
     def live(self, role: str) -> list[Node]:
-        return [n for n in self.nodes.values() if n.role == role and n.effective_share > 0]
+        """Nodes of ``role`` holding a share over a live stream, sorted by id (cached, do not mutate)."""
+        return self._live.get(role, [])
 
     def snapshot(self) -> list[dict[str, object]]:
         return [n.as_json() for n in sorted(self.nodes.values(), key=lambda n: n.node_id)]

@@ -14,13 +14,13 @@ import json
 import random
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 
-from pdcoord.cluster import LocalCluster, http_json
+from nodeagent.slicing import slice_shares
+from pdcoord.cluster import LocalCluster, http_json, scrape_metrics
 
 HANG = -1  # status of a request that did not end within the client's timeout
 CONN_FAILED = 0  # status of a request whose connection failed or broke
@@ -247,22 +247,8 @@ class Load:
 # -- observation ------------------------------------------------------------------------------
 
 
-def scrape(url: str) -> dict[str, float]:
-    """Prometheus text of ``url``/metrics as name -> value (label sets summed)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=3) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        series, _, value = line.rpartition(" ")
-        name = series.split("{", 1)[0]
-        out[name] = out.get(name, 0.0) + float(value)
-    return out
-
-
 def engine_metric(cluster: LocalCluster, names: Iterable[str], metric: str) -> dict[str, float]:
-    return {n: scrape(cluster.engines[n].url).get(metric, 0.0) for n in names}
+    return {n: scrape_metrics(cluster.engines[n].url).get(metric, 0.0) for n in names}
 
 
 def ready(url: str) -> bool:
@@ -353,3 +339,13 @@ def start_master_retrying(cluster: LocalCluster, master_id: str, timeout: float 
         if time.monotonic() - start > timeout:
             raise TimeoutError(f"master {master_id} could not be restarted within {timeout}s")
         time.sleep(0.3)
+
+
+def expected_share_table(masters: Iterable[str], caps: dict[str, int]) -> dict[str, dict[str, int]]:
+    """master -> node -> share that the slicing function gives when exactly ``masters`` are live."""
+    names = list(masters)
+    table: dict[str, dict[str, int]] = {m: {} for m in names}
+    for node, cap in caps.items():
+        for m, s in slice_shares(cap, names, node).items():
+            table[m][node] = s
+    return table

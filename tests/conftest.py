@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import pytest
 
 from pdcoord import etcd_server, launcher
+from pdcoord.cluster import LocalCluster
 from pdcoord.etcd import EtcdClient
 from pdcoord.etcd_server import LocalEtcd, etcd_healthy
 from pdcoord.launcher import ProcessGroup
@@ -154,3 +155,15 @@ def _no_process_left_behind() -> Iterator[None]:
         server.kill()
     names = [repr(p) for p in leftovers] + [repr(s) for s in servers]
     assert not names, f"processes still running at the end of the session (now killed): {names}"
+
+
+@pytest.fixture
+def cluster(etcd, proc_group, cluster_name) -> LocalCluster:  # type: ignore[no-untyped-def]
+    """A LocalCluster on the session etcd."""
+    return LocalCluster(proc_group, etcd.endpoint, cluster_name)
+
+
+@pytest.fixture
+def local_cluster(local_etcd, proc_group, cluster_name) -> LocalCluster:  # type: ignore[no-untyped-def]
+    """A LocalCluster on a function-scoped etcd the test may kill and restart."""
+    return LocalCluster(proc_group, local_etcd.endpoint, cluster_name)

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 
-from nodeagent.slicing import slice_shares
 from pdcoord.cluster import LocalCluster
 from tests.cluster_helpers import (
     CONN_FAILED,
@@ -29,6 +28,7 @@ from tests.cluster_helpers import (
     Result,
     Targets,
     engine_metric,
+    expected_share_table,
     start_master_retrying,
     summarize,
     wait_no_leases,
@@ -42,16 +42,6 @@ CAPS = {**PREFILL, **DECODE}
 MODEL = "sim"
 # A stream that broke after its headers is an explicit error too: the client sees it end early.
 STREAM_ERRORS = {"stream_error", "stream_truncated"}
-
-
-@pytest.fixture
-def cluster(etcd, proc_group, cluster_name) -> LocalCluster:  # type: ignore[no-untyped-def]
-    return LocalCluster(proc_group, etcd.endpoint, cluster_name)
-
-
-@pytest.fixture
-def local_cluster(local_etcd, proc_group, cluster_name) -> LocalCluster:  # type: ignore[no-untyped-def]
-    return LocalCluster(proc_group, local_etcd.endpoint, cluster_name)
 
 
 def start_fleet(
@@ -72,18 +62,6 @@ def start_fleet(
     for m in masters:
         targets.add_when_ready(m)
     return targets
-
-
-def expected(masters: list[str], caps: dict[str, int]) -> dict[str, dict[str, int]]:
-    table: dict[str, dict[str, int]] = {m: {} for m in masters}
-    for node, cap in caps.items():
-        for m, s in slice_shares(cap, masters, node).items():
-            table[m][node] = s
-    return table
-
-
-def epochs(c: LocalCluster, mid: str) -> dict[str, int]:
-    return {n["node_id"]: int(n["epoch"]) for n in c.masters[mid].admission()["nodes"]}
 
 
 def refused_properly(r: Result) -> bool:
@@ -182,7 +160,9 @@ def test_rolling_restart_of_every_master_loses_nothing(cluster: LocalCluster, lo
         t1 = time.monotonic()
         start_master_retrying(cluster, mid)
         targets.add_when_ready(mid)
-        rejoin = cluster.wait_for(lambda: cluster.share_table() == expected(masters, CAPS), timeout=15)
+        rejoin = cluster.wait_for(
+            lambda: cluster.share_table() == expected_share_table(masters, CAPS), timeout=15
+        )
         timings.append(
             f"{mid}: drained+exited {stopped:.2f}s, others full {handover:.2f}s later, "
             f"back and re-sliced {time.monotonic() - t1:.2f}s after restart (shares {rejoin:.2f}s)"
@@ -211,7 +191,7 @@ def test_agent_sigkill_and_restart_under_load(cluster: LocalCluster, load_guard:
     # A short agent lease so the restarted agent need not wait 5 s for its predecessor's key.
     targets = start_fleet(cluster, masters, agent_extra={"lease_ttl": 2})
     load = run_load(load_guard, targets, users=6, max_tokens=16, request_timeout_s=15)
-    before_epoch = {m: epochs(cluster, m)["d1"] for m in masters}
+    before_epoch = {m: cluster.masters[m].epochs()["d1"] for m in masters}
     before_cap = {m: cluster.masters[m].admission()["capacity"] for m in masters}
 
     cluster.agents["d1"].proc.kill()
@@ -225,7 +205,7 @@ def test_agent_sigkill_and_restart_under_load(cluster: LocalCluster, load_guard:
     cluster.restart_agent("d1")
     back = cluster.wait_for(lambda: cluster.full_capacity_held(masters, CAPS), timeout=15)
     returned = time.monotonic() - t_restart
-    after_epoch = {m: epochs(cluster, m)["d1"] for m in masters}
+    after_epoch = {m: cluster.masters[m].epochs()["d1"] for m in masters}
     time.sleep(0.5)
     results = load.stop()
     while_down = [r for r in results if t_kill + left < r.started and r.ended < t_restart]
@@ -237,7 +217,7 @@ def test_agent_sigkill_and_restart_under_load(cluster: LocalCluster, load_guard:
         f"{len(while_down)} while d1 was out; pdsim_queued_total {queued}"
     )
     for m in masters:
-        share = expected(masters, CAPS)[m]["d1"]
+        share = expected_share_table(masters, CAPS)[m]["d1"]
         assert during_cap[m] == before_cap[m] - share, (m, before_cap, during_cap)
         assert after_epoch[m] > before_epoch[m]
     assert left < 2.0 + 0.5, f"masters kept a share on the dead agent's node for {left:.2f}s"
@@ -272,7 +252,9 @@ def test_etcd_restart_under_load(local_cluster: LocalCluster, local_etcd, load_g
 
     c.start_master("m3", model=MODEL)
     t_join = time.monotonic()
-    converged = c.wait_for(lambda: c.share_table() == expected(["m1", "m2", "m3"], CAPS), timeout=20)
+    converged = c.wait_for(
+        lambda: c.share_table() == expected_share_table(["m1", "m2", "m3"], CAPS), timeout=20
+    )
     targets.add_when_ready("m3")
     time.sleep(1.0)
     results = load.stop()
@@ -300,7 +282,7 @@ def test_legacy_agent_beside_new_agents_under_load(cluster: LocalCluster, load_g
     masters = ["m1", "m2"]
     targets = start_fleet(cluster, masters)
     cluster.start_node("old", "decode", 4, model=MODEL, no_grant=True)
-    want = {m: {**expected(masters, CAPS)[m], "old": 4} for m in masters}
+    want = {m: {**expected_share_table(masters, CAPS)[m], "old": 4} for m in masters}
     cluster.wait_for(lambda: cluster.share_table() == want, timeout=15)
     caps = {m: cluster.masters[m].admission()["capacity"] for m in masters}
     legacy = {
@@ -386,7 +368,7 @@ def test_soak_random_kills_and_restarts(cluster: LocalCluster, load_guard: list[
     for a in agents:
         if not cluster.agents[a].proc.alive:
             cluster.restart_agent(a)
-    cluster.wait_for(lambda: cluster.share_table() == expected(masters, CAPS), timeout=20)
+    cluster.wait_for(lambda: cluster.share_table() == expected_share_table(masters, CAPS), timeout=20)
     time.sleep(1.0)
     results = load.stop()
     leases = wait_no_leases(cluster)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -10,24 +9,14 @@ import time
 import grpc
 import pytest
 
-from nodeagent.slicing import slice_shares
 from pdcoord.cluster import LocalCluster, http_json
 from pdcoord.v1 import coordination_pb2 as pb
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
+from tests.cluster_helpers import expected_share_table
 
 pytestmark = pytest.mark.cluster
 
 CAPS = {"d1": 8, "d2": 8, "d3": 5, "d4": 1}
-
-
-@pytest.fixture
-def cluster(etcd, proc_group, cluster_name) -> LocalCluster:  # type: ignore[no-untyped-def]
-    return LocalCluster(proc_group, etcd.endpoint, cluster_name)
-
-
-@pytest.fixture
-def local_cluster(local_etcd, proc_group, cluster_name) -> LocalCluster:  # type: ignore[no-untyped-def]
-    return LocalCluster(proc_group, local_etcd.endpoint, cluster_name)
 
 
 def start_fleet(c: LocalCluster, masters: list[str], caps: dict[str, int]) -> None:
@@ -37,22 +26,10 @@ def start_fleet(c: LocalCluster, masters: list[str], caps: dict[str, int]) -> No
         c.start_agent(node, "decode", capacity=cap)
 
 
-def expected(masters: list[str], caps: dict[str, int]) -> dict[str, dict[str, int]]:
-    table: dict[str, dict[str, int]] = {m: {} for m in masters}
-    for node, cap in caps.items():
-        for m, s in slice_shares(cap, masters, node).items():
-            table[m][node] = s
-    return table
-
-
-def epochs(c: LocalCluster, mid: str) -> dict[str, int]:
-    return {n["node_id"]: n["epoch"] for n in c.masters[mid].admission()["nodes"]}
-
-
 def test_three_masters_four_agents_match_the_slicing_function(cluster: LocalCluster) -> None:
     masters = ["m1", "m2", "m3"]
     start_fleet(cluster, masters, CAPS)
-    want = expected(masters, CAPS)
+    want = expected_share_table(masters, CAPS)
     cluster.wait_for(lambda: cluster.share_table() == want, timeout=15)
     for m in masters:
         adm = cluster.masters[m].admission()
@@ -85,15 +62,15 @@ def http_json_text(url: str) -> str:
 def test_sigkill_and_sigterm_failover_and_join(cluster: LocalCluster) -> None:
     masters = ["m1", "m2", "m3"]
     start_fleet(cluster, masters, CAPS)
-    cluster.wait_for(lambda: cluster.share_table() == expected(masters, CAPS), timeout=15)
-    before = epochs(cluster, "m1")
+    cluster.wait_for(lambda: cluster.share_table() == expected_share_table(masters, CAPS), timeout=15)
+    before = cluster.masters["m1"].epochs()
 
     cluster.masters["m3"].proc.kill()
     took = cluster.wait_for(lambda: cluster.full_capacity_held(["m1", "m2"], CAPS), timeout=10, interval=0.01)
     print(f"\nSIGKILL failover: survivors hold full capacity after {took:.3f}s")
     assert took < 2.0
-    assert cluster.share_table() == expected(["m1", "m2"], CAPS)
-    after_kill = epochs(cluster, "m1")
+    assert cluster.share_table() == expected_share_table(["m1", "m2"], CAPS)
+    after_kill = cluster.masters["m1"].epochs()
     assert all(after_kill[n] > before[n] for n in CAPS)
 
     cluster.masters["m2"].proc.terminate()
@@ -103,8 +80,8 @@ def test_sigkill_and_sigterm_failover_and_join(cluster: LocalCluster) -> None:
     assert cluster.masters["m2"].proc.returncode == 0
 
     cluster.start_master("m4")
-    cluster.wait_for(lambda: cluster.share_table() == expected(["m1", "m4"], CAPS), timeout=10)
-    after_join = epochs(cluster, "m1")
+    cluster.wait_for(lambda: cluster.share_table() == expected_share_table(["m1", "m4"], CAPS), timeout=10)
+    after_join = cluster.masters["m1"].epochs()
     assert all(after_join[n] > after_kill[n] for n in CAPS)
 
 
@@ -156,13 +133,13 @@ def test_agent_restart_keeps_epochs_increasing(cluster: LocalCluster) -> None:
     cluster.start_master("m2")
     cluster.start_agent("d1", "decode", capacity=4)
     cluster.wait_for(lambda: cluster.full_capacity_held(["m1", "m2"], {"d1": 4}), timeout=15)
-    e1 = epochs(cluster, "m1")["d1"]
+    e1 = cluster.masters["m1"].epochs()["d1"]
     cluster.agents["d1"].proc.kill()
     cluster.wait_for(lambda: cluster.share_table()["m1"].get("d1") == 0, timeout=5)
     assert cluster.masters["m1"].admission()["capacity"] == 0
     cluster.restart_agent("d1")  # waits for the old lease to expire, then registers again
     cluster.wait_for(lambda: cluster.full_capacity_held(["m1", "m2"], {"d1": 4}), timeout=20)
-    assert epochs(cluster, "m1")["d1"] > e1
+    assert cluster.masters["m1"].epochs()["d1"] > e1
 
 
 # -- protocol refusals with a hand-written gRPC client -----------------------------------------
@@ -231,7 +208,6 @@ def test_protocol_rules_on_the_master(cluster: LocalCluster) -> None:
     # none of the refused streams changed the node table
     nodes = {n["node_id"]: n for n in http_json(m.url + "/admission")["nodes"]}
     assert set(nodes) <= {"h1", "h3", "h4"} and nodes["h1"]["share"] == 3
-    assert json.dumps(nodes)  # JSON-serialisable
 
 
 def test_etcd_restart_under_running_masters_and_agents(local_cluster: LocalCluster, local_etcd) -> None:  # type: ignore[no-untyped-def]
@@ -248,6 +224,6 @@ def test_etcd_restart_under_running_masters_and_agents(local_cluster: LocalClust
     assert c.full_capacity_held(["m1", "m2"], caps)
     local_etcd.restart()
     c.start_master("m3")  # membership converges after the restart: watches resumed
-    c.wait_for(lambda: c.share_table() == expected(["m1", "m2", "m3"], caps), timeout=20)
+    c.wait_for(lambda: c.share_table() == expected_share_table(["m1", "m2", "m3"], caps), timeout=20)
     for p in [*c.masters.values(), *c.agents.values()]:
         assert p.proc.alive, f"{p.proc.name} died across the etcd restart"

@@ -20,24 +20,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdcoord.cluster import LocalCluster, http_json
+from pdcoord.cluster import LocalCluster, http_json, scrape_metrics
 from pdcoord.launcher import ProcessGroup
 
 pytestmark = pytest.mark.cluster
 
 DECODE = {"d1": 8, "d2": 4}
 PREFILL = {"p1": 8, "p2": 8}
-
-
-def metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=3) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = out.get(name, 0.0) + float(value) if name in out else float(value)
-    return out
 
 
 class Resp:
@@ -78,7 +67,7 @@ class Fleet:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=30)
 
     def decode_metric(self, name: str) -> float:
-        return sum(metrics(self.c.engines[d].url).get(name, 0.0) for d in DECODE)
+        return sum(scrape_metrics(self.c.engines[d].url).get(name, 0.0) for d in DECODE)
 
     def admission(self) -> dict:  # type: ignore[type-arg]
         return self.master.admission()
@@ -174,8 +163,10 @@ def test_burst_of_five_times_capacity_never_queues_inside_engines(fleet: Fleet) 
 
 
 def _hit_rate(fleet: Fleet) -> tuple[float, float]:
-    cached = sum(metrics(fleet.c.engines[p].url).get("pdsim_cached_tokens_total", 0.0) for p in PREFILL)
-    total = sum(metrics(fleet.c.engines[p].url).get("pdsim_prompt_tokens_total", 0.0) for p in PREFILL)
+    cached = sum(
+        scrape_metrics(fleet.c.engines[p].url).get("pdsim_cached_tokens_total", 0.0) for p in PREFILL
+    )
+    total = sum(scrape_metrics(fleet.c.engines[p].url).get("pdsim_prompt_tokens_total", 0.0) for p in PREFILL)
     return cached, total
 
 
