@@ -7,8 +7,11 @@ which keeps every decision reproducible in tests and simulations.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+
+from nodeagent.handover import Handover
 
 
 def rotation_start(node_id: str, masters: int) -> int:
@@ -41,9 +44,75 @@ def slice_shares(capacity: int, masters: Iterable[str], node_id: str) -> dict[st
     return shares
 
 
+def demand_shares(capacity: int, demands: Mapping[str, int], node_id: str, floor: int = 1) -> dict[str, int]:
+    """Split ``capacity`` by demand: a floor for every master, then max-min fair by demand.
+
+    Every master first gets ``min(floor, capacity // M)``. The rest is water-filled over what each
+    wants beyond its floor (nobody gets more than it asks while another still waits), and slots that
+    nobody asks for are spread evenly with :func:`slice_shares`, so the node stays work-conserving:
+    an idle burst finds headroom on every master. Deterministic; the shares sum to ``capacity``.
+    """
+    if capacity < 0:
+        raise ValueError("capacity must be >= 0")
+    ordered = sorted(demands)
+    m = len(ordered)
+    if m == 0:
+        return {}
+    f = min(max(floor, 0), capacity // m)
+    shares = dict.fromkeys(ordered, f)
+    rest = capacity - f * m
+    need = {k: max(0, int(demands[k]) - f) for k in ordered}
+    pending = sorted((k for k in ordered if need[k] > 0), key=lambda k: (need[k], k))
+    while pending and rest > 0:
+        level = rest // len(pending)
+        if level == 0:
+            # Fewer slots than claimants: one each, starting at the node's rotation point.
+            start = rotation_start(node_id, len(pending))
+            claim = sorted(pending)
+            for i in range(rest):
+                shares[claim[(start + i) % len(claim)]] += 1
+            rest = 0
+            break
+        k = pending[0]
+        if need[k] <= level:
+            for j in pending:
+                give = min(need[j], level)
+                shares[j] += give
+                need[j] -= give
+                rest -= give
+            pending = [j for j in pending if need[j] > 0]
+        else:
+            for j in pending:
+                shares[j] += level
+                need[j] -= level
+            rest -= level * len(pending)
+    for k, v in slice_shares(rest, ordered, node_id).items():
+        shares[k] += v
+    return shares
+
+
+def step_towards(current: Mapping[str, int], ideal: Mapping[str, int], max_step: int) -> dict[str, int]:
+    """Move ``current`` towards ``ideal`` (same keys, same sum) by at most ``max_step`` per master."""
+    diffs = {k: ideal[k] - current.get(k, 0) for k in ideal}
+    largest = max((abs(d) for d in diffs.values()), default=0)
+    if largest <= max_step:
+        return dict(ideal)
+    alpha = max_step / largest
+    raw = {k: current.get(k, 0) + alpha * d for k, d in diffs.items()}
+    out = {k: math.floor(v) for k, v in raw.items()}
+    residual = sum(ideal.values()) - sum(out.values())
+    for k in sorted(raw, key=lambda k: (out[k] - raw[k], k))[:residual]:
+        out[k] += 1
+    return out
+
+
 def next_epoch(previous: int, time_ns: int, stored: int = 0) -> int:
     """Strictly increasing across changes and agent restarts (DESIGN §4)."""
     return max(previous + 1, time_ns, stored + 1)
+
+
+HANDOVER_MODES = ("strict", "fast")
+SHARE_POLICIES = ("static", "demand")
 
 
 @dataclass
@@ -58,23 +127,53 @@ class MasterView:
 
 @dataclass
 class Slicer:
-    """Tracks membership and stream state; decides the current shares and their epoch.
+    """Tracks membership, stream state and the masters' Acks; decides the grants and their epoch.
 
     ``masters_in_etcd`` comes from the etcd watch; ``stream_up``/``stream_down`` from the gRPC
     streams. A master is part of the split while its etcd key exists and its stream is up, has not
     been up yet (it just appeared: give the stream a chance), or has been down for less than
-    ``grace_s``. ``tick(now)`` re-evaluates grace expiry; every change of the effective master set
-    advances the epoch.
+    ``grace_s``. The split gives every member a *target* (``static``: even, ``demand``: by what the
+    masters report as active + wanted, rebalanced at most every ``rebalance_s`` with hysteresis and
+    a bounded step); :class:`~nodeagent.handover.Handover` turns targets into *grants* (``strict``:
+    shrink before grow; ``fast``: grants are the targets). Every change of the grants or of the
+    member set advances the epoch. ``tick(now)`` applies timers: grace, rebalance, orphan timeout.
     """
 
     node_id: str
     capacity: int
     grace_s: float = 1.0
+    handover: str = "strict"
+    policy: str = "static"
+    floor: int = 1
+    rebalance_s: float = 1.0
+    hysteresis: int = 2
+    max_step_frac: float = 0.25
+    orphan_timeout_s: float = 30.0
+    probe: bool = True
+    now: float = 0.0
     epoch: int = 0
     views: dict[str, MasterView] = field(default_factory=dict)
     _members: tuple[str, ...] = ()
     _shares: dict[str, int] = field(default_factory=dict)
+    _targets: dict[str, int] = field(default_factory=dict)
+    _next_rebalance: float = 0.0
+    _ho: Handover = field(init=False)
 
+    def __post_init__(self) -> None:
+        if self.handover not in HANDOVER_MODES:
+            raise ValueError(f"handover must be one of {HANDOVER_MODES}, got {self.handover!r}")
+        if self.policy not in SHARE_POLICIES:
+            raise ValueError(f"policy must be one of {SHARE_POLICIES}, got {self.policy!r}")
+        self._ho = Handover(
+            self.capacity,
+            strict=self.handover == "strict",
+            orphan_timeout_s=self.orphan_timeout_s,
+            probe=self.probe,
+            now=self.now,
+            startup_wait_s=self.grace_s,
+        )
+
+    # -- inputs -------------------------------------------------------------------------------
     def set_masters(self, master_ids: Iterable[str], now: float, time_ns: int) -> bool:
         wanted = set(master_ids)
         for mid in wanted:
@@ -108,16 +207,34 @@ class Slicer:
             del self.views[master_id]
         return self._recompute(now, time_ns)
 
+    def on_ack(
+        self, master_id: str, applied_epoch: int, active: int, wanted: int, now: float, time_ns: int
+    ) -> bool:
+        """A master's Ack: what it holds, runs and wants here. True when the grants changed."""
+        self._ho.ack(master_id, applied_epoch, active, wanted)
+        return self._recompute(now, time_ns)
+
+    def on_probe(self, running: int | None, taken_at: float, now: float, time_ns: int) -> bool:
+        """The engine's running count from a sample started at ``taken_at`` (None: probe failed)."""
+        self._ho.probe(running, taken_at)
+        return self._recompute(now, time_ns)
+
     def set_capacity(self, capacity: int, now: float, time_ns: int) -> bool:
         if capacity == self.capacity:
             return False
         self.capacity = capacity
+        self._ho.capacity = capacity
         return self._recompute(now, time_ns, force=True)
 
     def tick(self, now: float, time_ns: int) -> bool:
-        """Apply grace expiry; True when the shares changed."""
+        """Apply timers (grace, rebalance, orphan timeout); True when the grants changed."""
         return self._recompute(now, time_ns)
 
+    def restore_epoch(self, stored: int) -> None:
+        """Seed from the last epoch persisted in etcd so a restarted agent keeps increasing."""
+        self.epoch = max(self.epoch, stored)
+
+    # -- views --------------------------------------------------------------------------------
     def next_grace_deadline(self) -> float | None:
         """When the next grace window ends (so the caller can wake exactly then)."""
         deadlines = [
@@ -127,9 +244,12 @@ class Slicer:
         ]
         return min(deadlines) if deadlines else None
 
-    def restore_epoch(self, stored: int) -> None:
-        """Seed from the last epoch persisted in etcd so a restarted agent keeps increasing."""
-        self.epoch = max(self.epoch, stored)
+    def next_deadline(self) -> float | None:
+        """The earliest timer of any kind (grace, rebalance, orphan timeout)."""
+        times = [self.next_grace_deadline(), self._ho.next_deadline()]
+        if self.policy == "demand" and self._members:
+            times.append(self._next_rebalance)
+        return min((t for t in times if t is not None), default=None)
 
     def members(self, now: float) -> tuple[str, ...]:
         out = []
@@ -142,16 +262,68 @@ class Slicer:
 
     @property
     def shares(self) -> Mapping[str, int]:
+        """The grants: what each master may use now."""
         return self._shares
+
+    @property
+    def targets(self) -> Mapping[str, int]:
+        """Where the grants are heading (equal to them once a handover completes)."""
+        return self._targets
+
+    @property
+    def handover_pending(self) -> bool:
+        """Some master waits for slots others still hold: Acks are worth asking for often."""
+        return self._ho.pending(self._targets, self._shares)
 
     def share_for(self, master_id: str) -> int:
         return self._shares.get(master_id, 0)
 
+    def snapshot(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "handover": self.handover,
+            "share_policy": self.policy,
+            "members": list(self._members),
+            "targets": dict(self._targets),
+            "grants": dict(self._shares),
+        }
+        out.update(self._ho.snapshot())
+        return out
+
+    # -- core ---------------------------------------------------------------------------------
+    def _demands(self, members: Iterable[str]) -> dict[str, int]:
+        hs = self._ho.holders
+        return {m: (hs[m].demand if m in hs else 0) for m in members}
+
+    def _compute_targets(self, members: tuple[str, ...], now: float, reset: bool) -> dict[str, int]:
+        if self.policy == "static":
+            return slice_shares(self.capacity, members, self.node_id)
+        if reset or set(self._targets) != set(members):
+            self._next_rebalance = now + self.rebalance_s
+            return demand_shares(self.capacity, self._demands(members), self.node_id, self.floor)
+        if now < self._next_rebalance:
+            return self._targets
+        self._next_rebalance = now + self.rebalance_s
+        ideal = demand_shares(self.capacity, self._demands(members), self.node_id, self.floor)
+        if max((abs(ideal[m] - self._targets.get(m, 0)) for m in members), default=0) < self.hysteresis:
+            return self._targets
+        step = max(self.hysteresis, math.ceil(self.capacity * self.max_step_frac))
+        return step_towards(self._targets, ideal, step)
+
     def _recompute(self, now: float, time_ns: int, force: bool = False) -> bool:
         members = self.members(now)
-        if members == self._members and not force and self.epoch:
+        membership = members != self._members or not self.epoch
+        if membership:
+            for mid in set(self._members) - set(members):
+                self._ho.exclude(mid, now, self.epoch)
+            for mid in members:
+                self._ho.include(mid)
+        self._ho.expire(now, members)
+        self._targets = self._compute_targets(members, now, reset=membership or force)
+        grants = self._ho.plan(self._targets, self._shares)
+        if grants == self._shares and not membership and not force:
             return False
         self._members = members
-        self._shares = slice_shares(self.capacity, members, self.node_id)
+        self._shares = grants
         self.epoch = next_epoch(self.epoch, time_ns)
+        self._ho.issue(self.epoch, grants)
         return True

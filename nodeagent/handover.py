@@ -1,0 +1,214 @@
+"""Strict handover: turn target shares into grants that never oversubscribe a node (DESIGN §4).
+
+Pure and clock-free like the rest of the agent's core: the caller passes ``now`` and feeds it the
+masters' Acks and the engine's running count. The rule is *shrink before grow*: a master's grant is
+lowered at once, but the slots it gave up count as used until that master has acknowledged the lower
+grant (``Ack.applied_epoch``) and reports fewer ``active_slots``. A grant is raised only by slots
+that are free in that conservative view, so at every moment
+
+    Σ over masters of max(share it may hold, leases it runs)  ≤  running_max_req_size.
+
+A master that leaves the split (its stream is gone, or its etcd key) can no longer place work here,
+but its leases may still be running: its last known bound stays reserved as an *orphan* until it
+comes back and reports, until the engine's own running count shows that nothing beyond the live
+masters' leases is running, or until ``orphan_timeout_s``. A freshly started agent knows nothing of
+leases granted by its previous incarnation, so it starts with the whole node reserved as an orphan
+and lets the first engine sample (or, without a probe, the live masters' first Acks) release it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+STARTUP = "(startup)"
+# Grants kept per master while unacknowledged; older ones are merged (keeping the larger share).
+_MAX_ISSUED = 16
+
+
+@dataclass
+class Holder:
+    """What the agent knows of one master in the split."""
+
+    # Grants sent (or about to be sent) that the master may still hold: (epoch, share), oldest first.
+    issued: list[tuple[int, int]] = field(default_factory=list)
+    applied_epoch: int = 0
+    active: int = 0
+    wanted: int = 0
+    acked: bool = False
+
+    @property
+    def hold(self) -> int:
+        return max((s for _, s in self.issued), default=0)
+
+    @property
+    def bound(self) -> int:
+        """Most slots this master may be using on the node now."""
+        return max(self.hold, self.active)
+
+    @property
+    def demand(self) -> int:
+        return self.active + self.wanted
+
+
+@dataclass
+class Orphan:
+    slots: int
+    since: float
+    epoch: int  # the node epoch when it left: a later applied_epoch means it saw its grant of 0
+    # Engine samples before this time cannot release it (see ``startup_wait_s``).
+    not_before: float = 0.0
+
+
+class Handover:
+    """Tracks what each master may use on one node and plans grants that respect the capacity."""
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        strict: bool = True,
+        orphan_timeout_s: float = 30.0,
+        probe: bool = True,
+        now: float = 0.0,
+        startup_wait_s: float = 1.0,
+    ) -> None:
+        self.capacity = capacity
+        self.strict = strict
+        self.orphan_timeout_s = orphan_timeout_s
+        self.probe_expected = probe
+        self.holders: dict[str, Holder] = {}
+        self.orphans: dict[str, Orphan] = {}
+        if strict:
+            # Masters still attached to the previous incarnation keep their shares until they notice
+            # its streams are gone, which their keep-alive does within the grace period.
+            self.orphans[STARTUP] = Orphan(capacity, now, 0, now + startup_wait_s)
+
+    # -- membership ---------------------------------------------------------------------------
+    def include(self, master_id: str) -> None:
+        self.holders.setdefault(master_id, Holder())
+
+    def exclude(self, master_id: str, now: float, epoch: int) -> None:
+        """The master left the split; what it may still use stays reserved."""
+        h = self.holders.pop(master_id, None)
+        if h is None or not self.strict:
+            return
+        slots = h.bound
+        old = self.orphans.get(master_id)
+        if old is not None:
+            slots = max(slots, old.slots)
+        if slots > 0:
+            self.orphans[master_id] = Orphan(slots, now, epoch)
+
+    # -- inputs -------------------------------------------------------------------------------
+    def ack(self, master_id: str, applied_epoch: int, active: int, wanted: int) -> None:
+        h = self.holders.get(master_id)
+        if h is None:
+            o = self.orphans.get(master_id)
+            # Still talking after it left: once it applied a grant issued after it left (which was
+            # 0), only its running leases count.
+            if o is not None and applied_epoch > o.epoch:
+                o.slots = min(o.slots, active)
+                if o.slots == 0:
+                    del self.orphans[master_id]
+            return
+        # The master holds the grant of ``applied_epoch``: drop what it superseded, keep what may
+        # still be on the way.
+        keep_from = 0
+        for i, (e, _) in enumerate(h.issued):
+            if e <= applied_epoch:
+                keep_from = i
+        del h.issued[:keep_from]
+        h.applied_epoch = max(h.applied_epoch, applied_epoch)
+        h.active, h.wanted, h.acked = active, wanted, True
+        # A returning master reports the truth: what was reserved for it is now its bound.
+        self.orphans.pop(master_id, None)
+
+    def probe(self, running: int | None, taken_at: float) -> None:
+        """An engine sample started at ``taken_at``; ``None`` when the probe failed."""
+        if running is None or not self.orphans:
+            return
+        if any(o.since > taken_at or o.not_before > taken_at for o in self.orphans.values()):
+            return  # an orphan newer than the sample: the sample may predate its leases ending
+        live = sum(h.active for h in self.holders.values())
+        cap = max(0, running - live)
+        total = sum(o.slots for o in self.orphans.values())
+        for mid in sorted(self.orphans):
+            if total <= cap:
+                break
+            o = self.orphans[mid]
+            cut = min(o.slots, total - cap)
+            o.slots -= cut
+            total -= cut
+            if o.slots == 0:
+                del self.orphans[mid]
+
+    def expire(self, now: float, members: Iterable[str]) -> bool:
+        """Release orphans past the timeout, and the startup reservation once it is known."""
+        changed = False
+        for mid, o in list(self.orphans.items()):
+            if now - o.since >= self.orphan_timeout_s:
+                del self.orphans[mid]
+                changed = True
+        ms = list(members)
+        if (
+            STARTUP in self.orphans
+            and not self.probe_expected
+            and ms
+            and all(self.holders.get(m, Holder()).acked for m in ms)
+        ):
+            del self.orphans[STARTUP]  # without a probe the live masters' Acks are all we know
+            changed = True
+        return changed
+
+    def next_deadline(self) -> float | None:
+        return min((o.since + self.orphan_timeout_s for o in self.orphans.values()), default=None)
+
+    # -- planning -----------------------------------------------------------------------------
+    def orphan_slots(self) -> int:
+        return sum(o.slots for o in self.orphans.values())
+
+    def free(self) -> int:
+        return self.capacity - sum(h.bound for h in self.holders.values()) - self.orphan_slots()
+
+    def plan(self, targets: Mapping[str, int], grants: Mapping[str, int]) -> dict[str, int]:
+        """New grants for the masters in ``targets``: shrink at once, grow only into free slots."""
+        if not self.strict:
+            return dict(targets)
+        new = {m: min(t, grants.get(m, 0)) for m, t in targets.items()}
+        free = self.free()
+        # Largest shortfall first, so a joining master is not starved by small top-ups.
+        growers = sorted(
+            (m for m, t in targets.items() if t > new[m]), key=lambda m: (new[m] - targets[m], m)
+        )
+        for m in growers:
+            if free <= 0:
+                break
+            bound = self.holders[m].bound if m in self.holders else 0
+            # Slots up to its current bound are already counted as used by it.
+            raised = min(targets[m], max(new[m], bound + free))
+            free -= max(0, raised - max(bound, new[m]))
+            new[m] = raised
+        return new
+
+    def issue(self, epoch: int, grants: Mapping[str, int]) -> None:
+        """Record the grants sent with ``epoch`` (to every master in the split)."""
+        for mid, h in self.holders.items():
+            share = grants.get(mid, 0)
+            if h.issued and h.issued[-1][1] == share:
+                continue
+            h.issued.append((epoch, share))
+            if len(h.issued) > _MAX_ISSUED:
+                (e0, s0), (_, s1) = h.issued[0], h.issued[1]
+                h.issued[:2] = [(e0, max(s0, s1))]
+
+    def pending(self, targets: Mapping[str, int], grants: Mapping[str, int]) -> bool:
+        return any(grants.get(m, 0) < t for m, t in targets.items())
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "mode": "strict" if self.strict else "fast",
+            "free": self.free(),
+            "orphans": {m: o.slots for m, o in sorted(self.orphans.items())},
+            "bounds": {m: h.bound for m, h in sorted(self.holders.items())},
+        }

@@ -1,0 +1,638 @@
+"""A virtual-time model of the share protocol, built from the real cores.
+
+Agents run :class:`nodeagent.slicing.Slicer`; masters run :class:`pdmaster.registry.NodeRegistry`
+and :class:`pdmaster.admission.AdmissionCore`. Only the world around them is simulated: every
+(agent, master) stream is a pair of FIFO channels with random delays; streams reset (cleanly, or as
+a partition that each side notices only when its keep-alive fires); masters join, drain and leave,
+crash and restart; agents crash and restart; the engine's running count is what the masters' leases
+really use on it. After every event the model checks, for every node,
+
+    Σ over live masters of max(share the master may use now, leases it runs there)  ≤  capacity
+
+which is the strict-handover promise (DESIGN §4). The same harness drives the demand-policy
+benchmark, with Poisson arrivals per master and leases held for a random time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nodeagent.slicing import Slicer
+from pdmaster.admission import AdmissionCore, AdmissionPolicy, RequestClass, Ticket, TicketState
+from pdmaster.registry import DECODE, NodeRegistry, ProtocolError
+
+
+@dataclass
+class SimConfig:
+    nodes: dict[str, int] = field(default_factory=lambda: {"d1": 8, "d2": 5})
+    masters: tuple[str, ...] = ("m1", "m2", "m3")
+    handover: str = "strict"
+    policy: str = "static"
+    floor: int = 1
+    chaos_s: float = 30.0  # faults happen during this phase
+    settle_s: float = 15.0  # then no faults, so every master must reach its target
+    fault_every_s: float = 1.5  # mean time between faults in the chaos phase
+    rates: dict[str, float] | None = None  # arrivals/s per master (default: 40 each)
+    hold_mean_s: float = 0.3  # lease duration, exponential
+    gang_fraction: float = 0.05  # requests that need 2 slots
+    delay_s: tuple[float, float] = (0.0005, 0.02)  # one-way message delay, uniform
+    grace_s: float = 1.0
+    report_s: float = 1.0
+    poll_s: float = 0.1  # report interval while a handover is pending
+    probe_s: float = 0.5
+    # A partition is noticed by the master within this (its keep-alive) and by the agent within
+    # agent_detect_s; the master's must be below the grace for strict handover to hold.
+    master_detect_s: float = 0.75
+    agent_detect_s: float = 2.0
+    lease_ttl_s: float = 5.0
+    watch_delay_s: tuple[float, float] = (0.001, 0.05)
+    drain_timeout_s: float = 10.0
+    admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+
+
+@dataclass
+class Stream:
+    sid: int
+    node: str
+    master: str
+    agent_inc: int
+    master_inc: int
+    agent_open: bool = True
+    master_open: bool = True
+    cut: bool = False  # the connection broke: nothing in flight arrives any more
+    token: int | None = None  # registry stream token, once the master admitted the Register
+    a2m_last: float = 0.0  # FIFO: a message is delivered no earlier than the previous one
+    m2a_last: float = 0.0
+
+
+@dataclass
+class Link:
+    master: str
+    stream: Stream | None = None
+    up: bool = False
+    next_report: float = 0.0
+    backoff: float = 0.1
+
+
+@dataclass
+class SimAgent:
+    node: str
+    capacity: int
+    inc: int = 0
+    alive: bool = True
+    slicer: Slicer | None = None
+    links: dict[str, Link] = field(default_factory=dict)
+    etcd_view: set[str] = field(default_factory=set)
+    seq: int = 0
+    watch_last: float = 0.0  # etcd watch events arrive in order
+
+
+@dataclass
+class SimMaster:
+    mid: str
+    inc: int = 0
+    alive: bool = False
+    draining: bool = False
+    in_etcd: bool = False
+    key_expires: float | None = None
+    registry: NodeRegistry = field(default_factory=NodeRegistry)
+    core: AdmissionCore | None = None
+    streams: dict[str, Stream] = field(default_factory=dict)  # node -> the stream it holds
+    leases: dict[int, Ticket] = field(default_factory=dict)
+
+
+@dataclass
+class Stats:
+    violations: list[tuple[float, str, int]] = field(default_factory=list)
+    max_usable: dict[str, int] = field(default_factory=dict)
+    faults: dict[str, int] = field(default_factory=dict)
+    granted: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=dict)
+    waits: dict[str, list[float]] = field(default_factory=dict)
+    busy_slot_s: float = 0.0  # Σ over time of leases running, for utilisation
+    measured_s: float = 0.0
+    events: int = 0
+
+
+class ProtocolSim:
+    def __init__(self, cfg: SimConfig, seed: int) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self._q: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._sid = itertools.count(1)
+        self.stats = Stats()
+        self.stored_epoch: dict[str, int] = {}
+        self.agents = {n: SimAgent(n, c) for n, c in cfg.nodes.items()}
+        self.masters = {m: SimMaster(m) for m in cfg.masters}
+        self.etcd: set[str] = set()
+        self.measure_from = 0.0
+        self._last_t = 0.0
+        self.faults_on = True
+        self.arrivals_on = True
+
+    # -- event loop ---------------------------------------------------------------------------
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._q, (t, next(self._seq), fn))
+
+    def after(self, d: float, fn: Callable[[], None]) -> None:
+        self.at(self.now + d, fn)
+
+    def delay(self) -> float:
+        lo, hi = self.cfg.delay_s
+        return self.rng.uniform(lo, hi)
+
+    def time_ns(self) -> int:
+        return 1_700_000_000_000_000_000 + int(self.now * 1e9)
+
+    def run_until(self, t_end: float) -> None:
+        while self._q and self._q[0][0] <= t_end:
+            t, _, fn = heapq.heappop(self._q)
+            self._account(t)
+            self.now = t
+            fn()
+            self.stats.events += 1
+            self.check()
+        self._account(t_end)
+        self.now = t_end
+
+    def _account(self, t: float) -> None:
+        if t > self._last_t:
+            if self._last_t >= self.measure_from:
+                running = sum(m.core.active for m in self.masters.values() if m.alive and m.core is not None)
+                self.stats.busy_slot_s += running * (t - self._last_t)
+                self.stats.measured_s += t - self._last_t
+            self._last_t = t
+
+    # -- the invariant ------------------------------------------------------------------------
+    def usable(self, node: str) -> int:
+        total = 0
+        for m in self.masters.values():
+            if not m.alive or m.core is None:
+                continue
+            n = m.registry.nodes.get(node)
+            share = n.effective_share if n is not None else 0
+            total += max(share, m.core.active_on(node))
+        return total
+
+    def check(self) -> None:
+        for node, cap in self.cfg.nodes.items():
+            u = self.usable(node)
+            if u > self.stats.max_usable.get(node, 0):
+                self.stats.max_usable[node] = u
+            if u > cap:
+                self.stats.violations.append((self.now, node, u))
+
+    # -- scenario -----------------------------------------------------------------------------
+    def run(self) -> Stats:
+        cfg = self.cfg
+        for m in cfg.masters:
+            self.after(self.rng.uniform(0, 0.5), lambda m=m: self.master_start(m))  # type: ignore[misc]
+        for a in self.agents.values():
+            self.after(self.rng.uniform(0, 0.5), lambda a=a: self.agent_start(a))  # type: ignore[misc]
+        for a in self.agents.values():
+            self.after(0.05, lambda a=a: self.agent_tick(a))  # type: ignore[misc]
+            self.after(cfg.probe_s, lambda a=a: self.agent_probe(a))  # type: ignore[misc]
+        self.after(0.1, self.master_timers)
+        if cfg.chaos_s > 0 and cfg.fault_every_s > 0:
+            self.after(self.rng.expovariate(1 / cfg.fault_every_s) + 2.0, self.fault)
+        self.run_until(cfg.chaos_s)
+        self.faults_on = False
+        # Bring everything back for the stable phase.
+        for a in self.agents.values():
+            if not a.alive:
+                self.agent_start(a)
+        for m in self.masters.values():
+            if not m.alive and not m.draining:
+                self.master_start(m.mid)
+        self.measure_from = self.now
+        self.run_until(cfg.chaos_s + cfg.settle_s)
+        return self.stats
+
+    def fault(self) -> None:
+        if not self.faults_on:
+            return
+        kinds = ["reset", "partition", "master_crash", "master_leave", "agent_crash", "master_join"]
+        kind = self.rng.choice(kinds)
+        self.stats.faults[kind] = self.stats.faults.get(kind, 0) + 1
+        getattr(self, "fault_" + kind)()
+        self.after(self.rng.expovariate(1 / self.cfg.fault_every_s), self.fault)
+
+    def _open_streams(self) -> list[Stream]:
+        out = []
+        for a in self.agents.values():
+            for link in a.links.values():
+                if link.stream is not None and link.stream.agent_open:
+                    out.append(link.stream)
+        return out
+
+    def fault_reset(self, partition: bool = False) -> None:
+        streams = self._open_streams()
+        if not streams:
+            return
+        s = self.rng.choice(streams)
+        da = self.rng.uniform(0, self.cfg.agent_detect_s) if partition else self.delay()
+        dm = self.rng.uniform(0, self.cfg.master_detect_s) if partition else self.delay()
+        s_cut = s
+        s_cut.cut = True
+        self.after(da, lambda: self.agent_stream_closed(s_cut))
+        self.after(dm, lambda: self.master_stream_closed(s_cut))
+
+    def fault_partition(self) -> None:
+        self.fault_reset(partition=True)
+
+    def fault_master_crash(self) -> None:
+        live = [m for m in self.masters.values() if m.alive and not m.draining]
+        if len(live) <= 1:
+            return
+        m = self.rng.choice(live)
+        self.master_crash(m)
+        self.after(self.rng.uniform(0.5, 4.0), lambda: self.master_start(m.mid))
+
+    def fault_master_leave(self) -> None:
+        live = [m for m in self.masters.values() if m.alive and not m.draining]
+        if len(live) <= 1:
+            return
+        m = self.rng.choice(live)
+        self.master_drain(m)
+
+    def fault_master_join(self) -> None:
+        down = [m for m in self.masters.values() if not m.alive and not m.draining]
+        if down:
+            self.master_start(self.rng.choice(down).mid)
+
+    def fault_agent_crash(self) -> None:
+        live = [a for a in self.agents.values() if a.alive]
+        if not live:
+            return
+        a = self.rng.choice(live)
+        self.agent_crash(a)
+        self.after(self.rng.uniform(0.2, 3.0), lambda: self.agent_start(a))
+
+    # -- etcd ---------------------------------------------------------------------------------
+    def etcd_changed(self) -> None:
+        view = set(self.etcd)
+        for a in self.agents.values():
+            lo, hi = self.cfg.watch_delay_s
+            a.watch_last = max(a.watch_last, self.now + self.rng.uniform(lo, hi))
+            self.at(a.watch_last, lambda a=a, v=view, i=a.inc: self.agent_watch(a, v, i))  # type: ignore[misc]
+
+    def etcd_expire(self, m: SimMaster, inc: int) -> None:
+        if m.inc == inc and not m.alive and m.mid in self.etcd:
+            self.etcd.discard(m.mid)
+            m.in_etcd = False
+            self.etcd_changed()
+
+    # -- masters ------------------------------------------------------------------------------
+    def master_start(self, mid: str) -> None:
+        m = self.masters[mid]
+        if m.alive or m.draining:
+            return
+        if mid in self.etcd:  # the old lease is still live: a second master with this id is refused
+            self.after(0.5, lambda: self.master_start(mid))
+            return
+        m.inc += 1
+        m.alive, m.draining = True, False
+        m.registry = NodeRegistry()
+        m.core = AdmissionCore(self.cfg.admission, clock=lambda: self.now)
+        m.streams, m.leases = {}, {}
+        m.registry.subscribe(lambda shares, m=m: self.master_shares(m, shares))  # type: ignore[misc]
+        self.etcd.add(mid)
+        m.in_etcd = True
+        self.etcd_changed()
+        self.after(self.rng.expovariate(self._rate(mid)), lambda inc=m.inc: self.arrival(m, inc))  # type: ignore[misc]
+
+    def _rate(self, mid: str) -> float:
+        rates = self.cfg.rates or {}
+        return max(rates.get(mid, 40.0), 1e-6)
+
+    def master_shares(self, m: SimMaster, shares: Any) -> None:
+        if m.core is None or not m.alive:
+            return
+        caps = {nid: self.cfg.nodes[nid] for nid in shares}
+        m.core.set_shares(shares, caps)
+        self.master_changes(m, m.core.last_changes)
+
+    def master_changes(self, m: SimMaster, changes: list[Ticket]) -> None:
+        for t in changes:
+            if t.state is TicketState.GRANTED and not t.released and t.id not in m.leases:
+                self._granted(m, t)
+            elif t.state is not TicketState.GRANTED and t.state is not TicketState.QUEUED:
+                self.stats.refused[m.mid] = self.stats.refused.get(m.mid, 0) + 1
+
+    def _granted(self, m: SimMaster, t: Ticket) -> None:
+        m.leases[t.id] = t
+        if self.now >= self.measure_from:
+            self.stats.granted[m.mid] = self.stats.granted.get(m.mid, 0) + 1
+            self.stats.waits.setdefault(m.mid, []).append(t.wait_s or 0.0)
+        hold = self.rng.expovariate(1 / self.cfg.hold_mean_s)
+        self.after(hold, lambda inc=m.inc: self.lease_end(m, inc, t))  # type: ignore[misc]
+
+    def lease_end(self, m: SimMaster, inc: int, t: Ticket) -> None:
+        if m.inc != inc or not m.alive or m.core is None:
+            return  # the process died with its leases
+        m.leases.pop(t.id, None)
+        self.master_changes(m, m.core.release(t))
+        if m.draining and m.core.active == 0:
+            self.master_leave(m)
+
+    def arrival(self, m: SimMaster, inc: int) -> None:
+        if m.inc != inc or not m.alive or m.core is None:
+            return
+        self.after(self.rng.expovariate(self._rate(m.mid)), lambda: self.arrival(m, inc))
+        if m.draining or not self.arrivals_on:
+            return
+        slots = 2 if self.rng.random() < self.cfg.gang_fraction else 1
+        t = m.core.submit(slots, RequestClass.COLD)
+        self.master_changes(m, [t, *m.core.last_changes])
+
+    def master_timers(self) -> None:
+        for m in self.masters.values():
+            if m.alive and m.core is not None:
+                self.master_changes(m, m.core.expire())
+        self.after(0.1, self.master_timers)
+
+    def master_crash(self, m: SimMaster) -> None:
+        m.alive = False
+        m.core = None  # the engine cancels the dead process's requests: its leases vanish
+        m.leases = {}
+        for s in list(m.streams.values()):
+            s.cut = True
+            s.master_open = False
+            # A dead process's sockets close: usually noticed at once, sometimes by keep-alive.
+            d = self.delay() if self.rng.random() < 0.7 else self.rng.uniform(0, self.cfg.agent_detect_s)
+            self.after(d, lambda s=s: self.agent_stream_closed(s))  # type: ignore[misc]
+        m.streams = {}
+        inc = m.inc
+        self.after(self.cfg.lease_ttl_s, lambda: self.etcd_expire(m, inc))
+
+    def master_drain(self, m: SimMaster) -> None:
+        m.draining = True
+        assert m.core is not None
+        if m.core.active == 0:
+            self.master_leave(m)
+        else:
+            inc = m.inc
+            self.after(self.cfg.drain_timeout_s, lambda: self.master_leave(m) if m.inc == inc else None)
+
+    def master_leave(self, m: SimMaster) -> None:
+        if not m.alive:
+            return
+        # Revoke the lease, then stop: streams close cleanly; leases past the drain timeout end.
+        self.etcd.discard(m.mid)
+        m.in_etcd = False
+        self.etcd_changed()
+        inc = m.inc
+
+        def stop() -> None:
+            if m.inc != inc or not m.alive:
+                return
+            m.alive = False
+            m.draining = False
+            m.core = None
+            m.leases = {}
+            for s in list(m.streams.values()):
+                s.master_open = False
+                s.cut = True
+                self.after(self.delay(), lambda s=s: self.agent_stream_closed(s))  # type: ignore[misc]
+            m.streams = {}
+            # Restarting in a loop; in the stable phase it comes back so every master is measured.
+            self.after(self.rng.uniform(0.5, 2.0), lambda: self.master_start(m.mid))
+
+        self.after(0.1, stop)
+
+    def master_stream_closed(self, s: Stream) -> None:
+        m = self.masters[s.master]
+        if not s.master_open:
+            return
+        s.master_open = False
+        if m.inc != s.master_inc or not m.alive:
+            return
+        if m.streams.get(s.node) is s:
+            del m.streams[s.node]
+        if s.token is not None:
+            m.registry.disconnect(s.node, s.token)
+
+    def _abort(self, s: Stream) -> None:
+        """The master refuses the stream: both ends close (the agent hears it after a delay)."""
+        self.master_stream_closed(s)
+        s.cut = True
+        self.after(self.delay(), lambda: self.agent_stream_closed(s))
+
+    def master_receive(self, s: Stream, kind: str, grant: tuple[int, int], seq: int) -> None:
+        m = self.masters[s.master]
+        if s.cut or not s.master_open or not m.alive or m.inc != s.master_inc or m.core is None:
+            return
+        try:
+            if kind == "register":
+                _, token = m.registry.register(
+                    node_id=s.node,
+                    role=DECODE,
+                    endpoint=f"http://{s.node}",
+                    running_max_req_size=self.cfg.nodes[s.node],
+                    grant=grant,
+                )
+                s.token = token
+                m.streams[s.node] = s
+            else:
+                assert s.token is not None
+                m.registry.apply_grant(s.node, s.token, grant[0], grant[1])
+        except ProtocolError:
+            self._abort(s)
+            return
+        node = m.registry.nodes[s.node]
+        active = m.core.active_on(s.node)
+        live = max(1, len(m.registry.live(DECODE)))
+        wanted = -(-m.core.wanted_slots() // live)
+        self._send_m2a(s, node.epoch, active, wanted)
+
+    def _send_m2a(self, s: Stream, epoch: int, active: int, wanted: int) -> None:
+        if s.cut:
+            return
+        t = max(self.now + self.delay(), s.m2a_last)
+        s.m2a_last = t
+        self.at(t, lambda: self.agent_receive(s, epoch, active, wanted))
+
+    # -- agents -------------------------------------------------------------------------------
+    def agent_start(self, a: SimAgent) -> None:
+        if a.alive and a.slicer is not None:
+            return
+        a.inc += 1
+        a.alive = True
+        a.links = {}
+        a.slicer = Slicer(
+            node_id=a.node,
+            capacity=a.capacity,
+            grace_s=self.cfg.grace_s,
+            handover=self.cfg.handover,
+            policy=self.cfg.policy,
+            floor=self.cfg.floor,
+            now=self.now,
+        )
+        a.slicer.restore_epoch(self.stored_epoch.get(a.node, 0))
+        self.agent_watch(a, set(self.etcd))
+
+    def agent_crash(self, a: SimAgent) -> None:
+        a.alive = False
+        a.slicer = None
+        for link in a.links.values():
+            s = link.stream
+            if s is not None:
+                s.agent_open = False
+                s.cut = True
+                d = self.delay() if self.rng.random() < 0.7 else self.rng.uniform(0, self.cfg.master_detect_s)
+                self.after(d, lambda s=s: self.master_stream_closed(s))  # type: ignore[misc]
+        a.links = {}
+
+    def _changed(self, a: SimAgent) -> None:
+        assert a.slicer is not None
+        self.stored_epoch[a.node] = a.slicer.epoch
+        for link in a.links.values():
+            if link.up:
+                self.agent_send(a, link, "report")
+
+    def agent_watch(self, a: SimAgent, view: set[str], inc: int | None = None) -> None:
+        if not a.alive or a.slicer is None or (inc is not None and inc != a.inc):
+            return  # events from before a restart: the new incarnation listed etcd afresh
+        a.etcd_view = view
+        for mid in list(a.links):
+            if mid not in view:
+                link = a.links.pop(mid)
+                self._agent_close(a, link)
+        for mid in view:
+            if mid not in a.links:
+                a.links[mid] = Link(mid)
+                self.agent_connect(a, a.links[mid])
+        if a.slicer.set_masters(view, self.now, self.time_ns()):
+            self._changed(a)
+
+    def _agent_close(self, a: SimAgent, link: Link) -> None:
+        s = link.stream
+        if s is None:
+            return
+        s.agent_open = False
+        s.cut = True
+        self.after(self.delay(), lambda: self.master_stream_closed(s))
+        if link.up and a.slicer is not None:
+            link.up = False
+            if a.slicer.stream_down(link.master, self.now, self.time_ns()):
+                self._changed(a)
+        link.stream = None
+
+    def agent_connect(self, a: SimAgent, link: Link) -> None:
+        if not a.alive or a.links.get(link.master) is not link or link.stream is not None:
+            return
+        m = self.masters[link.master]
+        if not m.alive:
+            # Connection refused: retry with backoff.
+            self.after(link.backoff, lambda: self.agent_connect(a, link))
+            link.backoff = min(link.backoff * 2, 1.0)
+            return
+        s = Stream(next(self._sid), a.node, m.mid, a.inc, m.inc)
+        link.stream = s
+        self.agent_send(a, link, "register")
+
+    def agent_send(self, a: SimAgent, link: Link, kind: str) -> None:
+        s = link.stream
+        if s is None or s.cut or not s.agent_open or a.slicer is None:
+            return
+        a.seq += 1
+        grant = (a.slicer.share_for(link.master), a.slicer.epoch)
+        link.next_report = self.now + (self.cfg.poll_s if a.slicer.handover_pending else self.cfg.report_s)
+        t = max(self.now + self.delay(), s.a2m_last)
+        s.a2m_last = t
+        self.at(t, lambda: self.master_receive(s, kind, grant, a.seq))
+
+    def agent_receive(self, s: Stream, epoch: int, active: int, wanted: int) -> None:
+        a = self.agents[s.node]
+        if s.cut or not a.alive or a.inc != s.agent_inc or not s.agent_open or a.slicer is None:
+            return
+        link = a.links.get(s.master)
+        if link is None or link.stream is not s:
+            return
+        changed = False
+        if not link.up:
+            link.up = True
+            link.backoff = 0.1
+            changed |= a.slicer.stream_up(s.master, self.now, self.time_ns())
+        changed |= a.slicer.on_ack(s.master, epoch, active, wanted, self.now, self.time_ns())
+        if changed:
+            self._changed(a)
+
+    def agent_stream_closed(self, s: Stream) -> None:
+        a = self.agents[s.node]
+        if not s.agent_open:
+            return
+        s.agent_open = False
+        if not a.alive or a.inc != s.agent_inc or a.slicer is None:
+            return
+        link = a.links.get(s.master)
+        if link is None or link.stream is not s:
+            return
+        link.stream = None
+        if link.up:
+            link.up = False
+            if a.slicer.stream_down(s.master, self.now, self.time_ns()):
+                self._changed(a)
+        self.after(link.backoff, lambda: self.agent_connect(a, link))
+        link.backoff = min(link.backoff * 2, 1.0)
+
+    def agent_tick(self, a: SimAgent) -> None:
+        self.after(0.05, lambda: self.agent_tick(a))
+        if not a.alive or a.slicer is None:
+            return
+        if a.slicer.tick(self.now, self.time_ns()):
+            self._changed(a)
+        for link in a.links.values():
+            if link.up and self.now >= link.next_report:
+                self.agent_send(a, link, "report")
+
+    def agent_probe(self, a: SimAgent) -> None:
+        self.after(self.cfg.probe_s, lambda: self.agent_probe(a))
+        if not a.alive or a.slicer is None:
+            return
+        taken = self.now
+        running = sum(
+            m.core.active_on(a.node) for m in self.masters.values() if m.alive and m.core is not None
+        )
+        inc = a.inc
+
+        def deliver() -> None:
+            alive = a.alive and a.inc == inc and a.slicer is not None
+            if alive and a.slicer.on_probe(running, taken, self.now, self.time_ns()):  # type: ignore[union-attr]
+                self._changed(a)
+
+        self.after(self.delay(), deliver)
+
+    # -- results ------------------------------------------------------------------------------
+    def converged(self) -> list[str]:
+        """Why the stable phase did not reach the targets (empty when it did)."""
+        problems = []
+        for a in self.agents.values():
+            s = a.slicer
+            if s is None:
+                problems.append(f"{a.node}: agent down")
+                continue
+            live = sorted(m.mid for m in self.masters.values() if m.alive and not m.draining)
+            if list(s.members(self.now)) != live:
+                problems.append(f"{a.node}: members {s.members(self.now)} != live masters {live}")
+            if dict(s.shares) != dict(s.targets):
+                problems.append(f"{a.node}: grants {dict(s.shares)} != targets {dict(s.targets)}")
+            if sum(s.targets.values()) != a.capacity:
+                problems.append(f"{a.node}: targets {dict(s.targets)} do not sum to {a.capacity}")
+            for mid in live:
+                n = self.masters[mid].registry.nodes.get(a.node)
+                held = n.effective_share if n is not None else 0
+                if held != s.share_for(mid):
+                    problems.append(f"{a.node}: master {mid} holds {held}, agent grants {s.share_for(mid)}")
+        return problems
+
+    def utilisation(self) -> float:
+        cap = sum(self.cfg.nodes.values())
+        return self.stats.busy_slot_s / (cap * self.stats.measured_s) if self.stats.measured_s else 0.0

@@ -1,0 +1,226 @@
+"""Strict handover and demand-following shares (DESIGN §4): the pure cores, step by step."""
+
+from __future__ import annotations
+
+import string
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nodeagent.handover import STARTUP, Handover
+from nodeagent.slicing import Slicer, demand_shares, slice_shares, step_towards
+
+ids = st.text(alphabet=string.ascii_lowercase, min_size=1, max_size=4)
+
+
+def started(capacity: int, masters: list[str], **kw: object) -> Slicer:
+    """A strict slicer whose startup reservation has been released by an idle engine sample."""
+    s = Slicer(node_id="d1", capacity=capacity, grace_s=1.0, **kw)  # type: ignore[arg-type]
+    s.set_masters(masters, 0.0, 1)
+    for m in masters:
+        s.stream_up(m, 0.0, 2)
+        s.on_ack(m, s.epoch, 0, 0, 0.0, 3)
+    s.on_probe(0, 1.0, 1.0, 4)
+    return s
+
+
+def test_startup_holds_every_slot_until_an_engine_sample_one_grace_later() -> None:
+    s = Slicer(node_id="d1", capacity=8, grace_s=1.0)
+    s.set_masters(["a", "b"], 0.0, 1)
+    s.stream_up("a", 0.0, 1)
+    s.stream_up("b", 0.0, 1)
+    assert dict(s.shares) == {"a": 0, "b": 0}
+    assert dict(s.targets) == slice_shares(8, ["a", "b"], "d1")
+    assert s.handover_pending
+    # A sample taken before the grace is over could miss a master still bound to the old agent.
+    assert not s.on_probe(0, 0.5, 0.6, 2)
+    assert s.snapshot()["orphans"] == {STARTUP: 8}
+    # The engine runs 3 slots that no master has reported yet: those stay reserved.
+    assert s.on_probe(3, 1.0, 1.1, 3)
+    assert sum(s.shares.values()) == 5
+    s.on_ack("a", s.epoch, 2, 0, 1.2, 4)
+    s.on_ack("b", s.epoch, 1, 0, 1.2, 4)
+    assert s.on_probe(3, 1.3, 1.4, 5)
+    assert dict(s.shares) == dict(s.targets)
+
+
+def test_without_a_probe_the_first_acks_release_the_startup_reservation() -> None:
+    s = Slicer(node_id="d1", capacity=6, grace_s=1.0, probe=False)
+    s.set_masters(["a", "b"], 0.0, 1)
+    s.stream_up("a", 0.0, 1)
+    s.stream_up("b", 0.0, 1)
+    s.on_ack("a", s.epoch, 1, 0, 0.1, 2)
+    assert sum(s.shares.values()) == 0
+    assert s.on_ack("b", s.epoch, 2, 0, 0.1, 3)
+    assert dict(s.shares) == {"a": 3, "b": 3}
+
+
+def test_join_grows_only_as_the_others_acknowledge_and_drain() -> None:
+    s = started(8, ["a", "b"])
+    assert dict(s.shares) == {"a": 4, "b": 4}
+    s.on_ack("a", s.epoch, 4, 0, 2.0, 10)
+    s.on_ack("b", s.epoch, 4, 0, 2.0, 10)
+    before = s.epoch
+    s.set_masters(["a", "b", "c"], 2.1, 11)
+    target = dict(s.targets)
+    assert sum(target.values()) == 8 and target["c"] > 0
+    # Shrink at once, grow by nothing: a and b still run 4 each.
+    assert s.share_for("c") == 0
+    assert s.share_for("a") == target["a"] and s.share_for("b") == target["b"]
+    # a applied its lower grant but still runs 4: nothing is free yet.
+    assert not s.on_ack("a", s.epoch, 4, 0, 2.2, 12)
+    assert s.share_for("c") == 0
+    # a drained to its new share: exactly what it gave up moves to c.
+    assert s.on_ack("a", s.epoch, target["a"], 0, 2.3, 13)
+    assert s.share_for("c") == 4 - target["a"]
+    # b has not acknowledged its lower grant: its old 4 still counts even though it runs 0.
+    assert not s.on_ack("b", before, 0, 0, 2.4, 14)
+    assert s.share_for("c") == 4 - target["a"]
+    assert s.on_ack("b", s.epoch, 0, 0, 2.5, 15)
+    assert dict(s.shares) == target
+    assert not s.handover_pending
+
+
+def test_a_master_that_leaves_keeps_its_slots_until_the_engine_shows_them_free() -> None:
+    s = started(8, ["a", "b"])
+    s.on_ack("a", s.epoch, 4, 0, 2.0, 10)
+    s.on_ack("b", s.epoch, 3, 0, 2.0, 10)
+    s.stream_down("b", 2.0, 11)
+    assert s.tick(3.0, 12)  # grace over: b is out of the split
+    assert s.share_for("a") == 4 and dict(s.targets) == {"a": 8}
+    assert s.snapshot()["orphans"] == {"b": 4}
+    # A sample started before b left proves nothing.
+    assert not s.on_probe(4, 2.9, 3.1, 13)
+    # The engine still runs 6 slots while a reports 4: 2 of b's may still run.
+    assert s.on_probe(6, 3.1, 3.2, 14)
+    assert s.share_for("a") == 6
+    assert s.on_probe(4, 3.5, 3.6, 15)
+    assert dict(s.shares) == {"a": 8}
+
+
+def test_orphans_expire_after_the_timeout_when_no_probe_answers() -> None:
+    s = started(4, ["a", "b"], orphan_timeout_s=10.0)
+    s.on_ack("b", s.epoch, 2, 0, 2.0, 10)
+    s.set_masters(["a"], 2.0, 11)
+    assert s.share_for("a") == 2
+    assert s.next_deadline() == 12.0
+    assert not s.tick(11.9, 12)
+    assert s.tick(12.0, 13)
+    assert dict(s.shares) == {"a": 4}
+
+
+def test_a_returning_master_reports_the_truth_and_frees_its_reservation() -> None:
+    s = started(6, ["a", "b"])
+    s.on_ack("b", s.epoch, 3, 0, 2.0, 10)
+    s.set_masters(["a"], 2.0, 11)
+    assert s.share_for("a") == 3
+    s.set_masters(["a", "b"], 3.0, 12)
+    s.stream_up("b", 3.0, 13)
+    assert s.on_ack("b", s.epoch, 1, 0, 3.1, 14)
+    assert dict(s.shares) == {"a": 3, "b": 3}
+
+
+def test_fast_mode_grants_targets_at_once() -> None:
+    s = Slicer(node_id="d1", capacity=8, handover="fast")
+    s.set_masters(["a", "b"], 0.0, 1)
+    assert dict(s.shares) == {"a": 4, "b": 4}
+    s.on_ack("a", s.epoch, 4, 0, 0.1, 2)
+    s.set_masters(["a", "b", "c"], 0.2, 3)
+    assert dict(s.shares) == dict(s.targets) == slice_shares(8, ["a", "b", "c"], "d1")
+
+
+def test_bad_modes_are_refused_by_name() -> None:
+    for kw in ({"handover": "lazy"}, {"policy": "random"}):
+        try:
+            Slicer(node_id="d1", capacity=1, **kw)  # type: ignore[arg-type]
+        except ValueError as exc:
+            assert next(iter(kw.values())) in str(exc)
+        else:
+            raise AssertionError(f"{kw} accepted")
+
+
+@given(
+    capacity=st.integers(0, 500),
+    demands=st.dictionaries(ids, st.integers(0, 600), min_size=1, max_size=6),
+    floor=st.integers(0, 10),
+)
+def test_demand_shares_sum_to_capacity_keep_the_floor_and_are_max_min_fair(
+    capacity: int, demands: dict[str, int], floor: int
+) -> None:
+    shares = demand_shares(capacity, demands, "n1", floor)
+    assert set(shares) == set(demands)
+    assert sum(shares.values()) == capacity
+    f = min(floor, capacity // len(demands))
+    assert all(v >= f for v in shares.values())
+    if sum(demands.values()) >= capacity:
+        # Nobody gets more than it asked (beyond its floor) while another gets less than it asked,
+        # unless they are within one slot of each other.
+        for a, sa in shares.items():
+            for b, sb in shares.items():
+                if sa > max(demands[a], f) and sb < demands[b]:
+                    raise AssertionError((shares, demands))
+                if sa < demands[a] and sb < demands[b]:
+                    assert abs(sa - sb) <= 1 or sa >= demands[a] or sb >= demands[b]
+    else:
+        assert all(shares[k] >= min(demands[k], capacity) for k in demands)
+
+
+def test_demand_shares_follow_a_90_10_split() -> None:
+    assert demand_shares(100, {"busy": 500, "idle": 8}, "n", floor=1) == {"busy": 92, "idle": 8}
+    assert demand_shares(100, {"a": 0, "b": 0}, "n") == slice_shares(100, ["a", "b"], "n")
+
+
+@given(
+    cur=st.lists(st.integers(0, 50), min_size=1, max_size=5),
+    ideal_seed=st.lists(st.integers(0, 50), min_size=1, max_size=5),
+    step=st.integers(1, 20),
+)
+def test_step_towards_moves_boundedly_and_keeps_the_sum(
+    cur: list[int], ideal_seed: list[int], step: int
+) -> None:
+    keys = [f"m{i}" for i in range(len(cur))]
+    current = dict(zip(keys, cur, strict=True))
+    total = sum(cur)
+    raw = [ideal_seed[i % len(ideal_seed)] for i in range(len(keys))]
+    # Scale the ideal to the same total.
+    ideal = demand_shares(total, dict(zip(keys, raw, strict=True)), "n", 0)
+    out = step_towards(current, ideal, step)
+    assert sum(out.values()) == total
+    for k in keys:
+        lo, hi = sorted((current[k], ideal[k]))
+        assert lo <= out[k] <= hi
+        assert abs(out[k] - current[k]) <= step + 1
+
+
+def test_demand_policy_rebalances_with_hysteresis_and_a_bounded_step() -> None:
+    s = started(100, ["busy", "idle"], policy="demand", rebalance_s=1.0, hysteresis=2, max_step_frac=0.25)
+    assert dict(s.targets) == {"busy": 50, "idle": 50}
+    s.on_ack("busy", s.epoch, 50, 60, 1.5, 10)
+    s.on_ack("idle", s.epoch, 5, 0, 1.5, 10)
+    assert s.next_deadline() is not None
+    s.tick(2.1, 11)
+    assert dict(s.targets) == {"busy": 75, "idle": 25}  # at most a quarter of the node per step
+    # Strict: idle has not yet acknowledged its lower grant, so busy grows by nothing yet.
+    assert s.share_for("busy") == 50
+    s.on_ack("idle", s.epoch, 5, 0, 2.2, 12)
+    assert dict(s.shares) == {"busy": 75, "idle": 25}
+    s.on_ack("busy", s.epoch, 75, 60, 3.2, 13)
+    s.tick(3.3, 14)
+    assert s.targets["busy"] > 75
+    # A small wobble in demand does not move the targets.
+    before = dict(s.targets)
+    s.on_ack("idle", s.epoch, 5, 1, 3.4, 15)
+    s.tick(4.4, 16)
+    s.tick(5.5, 17)
+    s.on_ack("idle", s.epoch, 5, 0, 5.6, 18)
+    s.tick(6.6, 19)
+    assert abs(s.targets["idle"] - before["idle"]) <= 8
+
+
+def test_handover_issue_list_stays_bounded_without_acks() -> None:
+    h = Handover(10, strict=True)
+    h.include("a")
+    for e in range(1, 100):
+        h.issue(e, {"a": e % 7})
+    assert len(h.holders["a"].issued) <= 16
+    assert h.holders["a"].hold == 6  # the largest share it may hold is never forgotten
