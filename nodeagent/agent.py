@@ -61,6 +61,15 @@ class AgentConfig:
     health_port: int | None = None
     reconnect_max_backoff: float = 2.0
     send_grant: bool = True  # False emulates an older agent (tests of compatibility)
+    handover: str = "strict"
+    share_policy: str = "static"
+    share_floor: int = 1
+    rebalance_interval: float = 1.0
+    rebalance_hysteresis: int = 2
+    rebalance_max_step: float = 0.25
+    orphan_timeout: float = 30.0
+    # Report (and so collect Acks) this often while a master waits for slots others still hold.
+    handover_poll: float = 0.1
 
 
 @dataclass
@@ -80,7 +89,21 @@ class NodeAgent:
         self.cfg = cfg
         self.keys = Keys.for_cluster(cfg.cluster, cfg.etcd_prefix)
         self.etcd = EtcdClient(cfg.etcd)
-        self.slicer = Slicer(node_id=cfg.node_id, capacity=cfg.running_max_req_size, grace_s=cfg.grace)
+        self.slicer = Slicer(
+            node_id=cfg.node_id,
+            capacity=cfg.running_max_req_size,
+            grace_s=cfg.grace,
+            # Prefill shares bound no lease (admission is on decode slots): nothing to hand over.
+            handover=cfg.handover if cfg.role == "decode" else "fast",
+            policy=cfg.share_policy,
+            floor=cfg.share_floor,
+            rebalance_s=cfg.rebalance_interval,
+            hysteresis=cfg.rebalance_hysteresis,
+            max_step_frac=cfg.rebalance_max_step,
+            orphan_timeout_s=cfg.orphan_timeout,
+            probe=cfg.metrics_url is not None,
+            now=time.monotonic(),
+        )
         self.links: dict[str, MasterLink] = {}
         self.registration: Registration | None = None
         self.incarnation = time.time_ns()
@@ -248,7 +271,8 @@ class NodeAgent:
                 link.call, link.connected = call, True
                 backoff = 0.1
                 log.info("stream to master %s (%s) up", link.master_id, link.address)
-                if self.slicer.stream_up(link.master_id, time.monotonic(), time.time_ns()):
+                changed = self.slicer.stream_up(link.master_id, time.monotonic(), time.time_ns())
+                if self._on_ack(link, first.ack) or changed:
                     self._changed()
                 reader = asyncio.create_task(self._read_acks(link, call))
                 while True:
@@ -287,6 +311,18 @@ class NodeAgent:
                 return
             if msg.WhichOneof("msg") == "ack":
                 link.last_ack = msg.ack
+                if self._on_ack(link, msg.ack):
+                    self._changed()
+
+    def _on_ack(self, link: MasterLink, ack: pb.Ack) -> bool:
+        return self.slicer.on_ack(
+            link.master_id,
+            ack.applied_epoch,
+            ack.active_slots,
+            ack.wanted_slots,
+            time.monotonic(),
+            time.time_ns(),
+        )
 
     # -- control loop -------------------------------------------------------------------------
     def _changed(self) -> None:
@@ -302,27 +338,36 @@ class NodeAgent:
             now = time.monotonic()
             if self.slicer.tick(now, time.time_ns()):
                 self._changed()
+            interval = self.cfg.handover_poll if self.slicer.handover_pending else self.cfg.report_interval
+            next_report = min(next_report, now + interval)
             if now >= next_report:
-                next_report = now + self.cfg.report_interval
+                next_report = now + interval
                 for link in self.links.values():
                     link.send_now.set()
             wake = next_report
-            grace = self.slicer.next_grace_deadline()
-            if grace is not None:
-                wake = min(wake, grace + 0.001)
+            deadline = self.slicer.next_deadline()
+            if deadline is not None:
+                wake = min(wake, deadline + 0.001)
             self._kick.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), max(0.0, wake - time.monotonic()))
 
     async def _probe_loop(self, probe: LoadProbe) -> None:
         while True:
+            taken_at = time.monotonic()
             sample = await probe.sample()
             changed = (sample.running, sample.waiting) != (self.load.running, self.load.waiting)
             self.load = sample
+            # The engine's own count is what tells the handover that a departed master's leases ended.
+            if self.slicer.on_probe(
+                sample.running if sample.ok else None, taken_at, time.monotonic(), time.time_ns()
+            ):
+                self._changed()
             if changed:
                 for link in self.links.values():
                     link.send_now.set()
-            await asyncio.sleep(self.cfg.report_interval / 2)
+            # Often enough that a crashed master's slots move on within about a second (strict mode).
+            await asyncio.sleep(min(0.25, self.cfg.report_interval / 2))
 
     # -- health -------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -333,6 +378,7 @@ class NodeAgent:
             "running_max_req_size": self.slicer.capacity,
             "epoch": self.slicer.epoch,
             "shares": dict(self.slicer.shares),
+            "handover": self.slicer.snapshot(),
             "masters": {
                 mid: {
                     "address": link.address,

@@ -77,6 +77,7 @@ class Handover:
         self.strict = strict
         self.orphan_timeout_s = orphan_timeout_s
         self.probe_expected = probe
+        self.probe_failing = False
         self.holders: dict[str, Holder] = {}
         self.orphans: dict[str, Orphan] = {}
         if strict:
@@ -126,6 +127,7 @@ class Handover:
 
     def probe(self, running: int | None, taken_at: float) -> None:
         """An engine sample started at ``taken_at``; ``None`` when the probe failed."""
+        self.probe_failing = running is None
         if running is None or not self.orphans:
             return
         if any(o.since > taken_at or o.not_before > taken_at for o in self.orphans.values()):
@@ -153,11 +155,13 @@ class Handover:
         ms = list(members)
         if (
             STARTUP in self.orphans
-            and not self.probe_expected
+            and (not self.probe_expected or self.probe_failing)
             and ms
             and all(self.holders.get(m, Holder()).acked for m in ms)
         ):
-            del self.orphans[STARTUP]  # without a probe the live masters' Acks are all we know
+            # Without a working probe the live masters' Acks are all we know; a master still bound
+            # to the previous incarnation cannot register (and ack) here until it let go of it.
+            del self.orphans[STARTUP]
             changed = True
         return changed
 

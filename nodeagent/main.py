@@ -29,6 +29,16 @@ def _key_value(text: str) -> tuple[str, str]:
     return key, value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
 def build_parser() -> EnvArgumentParser:
     p = EnvArgumentParser(prog="nodeagent", description=__doc__, env_prefix="NODEAGENT")
     g = p.add_argument_group("cluster")
@@ -74,6 +84,54 @@ def build_parser() -> EnvArgumentParser:
         default=1.0,
         help="seconds a master's stream may be down before its share moves to the others",
     )
+    g = p.add_argument_group("shares")
+    g.add_argument(
+        "--handover",
+        choices=["strict", "fast"],
+        default="strict",
+        help="strict: a master's share grows only by slots the others acknowledged as free, so the "
+        "masters never oversubscribe the engine while shares move; fast: shares move at once and old "
+        "leases overlap new shares until they drain",
+    )
+    g.add_argument(
+        "--share-policy",
+        choices=["static", "demand"],
+        default="static",
+        help="static: an even split among live masters; demand: follow what masters run and queue "
+        "(active + wanted slots), with a floor, hysteresis and a bounded step",
+    )
+    g.add_argument(
+        "--share-floor",
+        type=non_negative_int,
+        default=1,
+        help="demand policy: slots every live master keeps whatever its demand",
+    )
+    g.add_argument(
+        "--rebalance-interval",
+        type=positive_float,
+        default=1.0,
+        help="demand policy: seconds between re-evaluations of the split",
+    )
+    g.add_argument(
+        "--rebalance-hysteresis",
+        type=positive_int,
+        default=2,
+        help="demand policy: ignore changes smaller than this many slots for every master",
+    )
+    g.add_argument(
+        "--rebalance-max-step",
+        type=_fraction,
+        default=0.25,
+        help="demand policy: largest move per re-evaluation, as a fraction of the node's capacity",
+    )
+    g.add_argument(
+        "--orphan-timeout",
+        type=positive_float,
+        default=30.0,
+        help="strict handover: seconds after which a departed master's slots are freed even when "
+        "the engine probe cannot confirm its leases ended",
+    )
+    g = p.add_argument_group("compatibility")
     g.add_argument(
         "--no-grant",
         action="store_true",
@@ -127,6 +185,13 @@ async def _run(args: argparse.Namespace) -> int:
         health_host=args.health_host,
         health_port=args.health_port or None,
         send_grant=not args.no_grant,
+        handover=args.handover,
+        share_policy=args.share_policy,
+        share_floor=args.share_floor,
+        rebalance_interval=args.rebalance_interval,
+        rebalance_hysteresis=args.rebalance_hysteresis,
+        rebalance_max_step=args.rebalance_max_step,
+        orphan_timeout=args.orphan_timeout,
     )
     agent = NodeAgent(cfg)
     stop = asyncio.Event()

@@ -30,8 +30,13 @@ class LoadSample:
 
 
 def parse_metrics(text: str) -> LoadSample:
-    """Sum each known metric over its label sets (one engine may expose several series)."""
-    sums: dict[str, float] = {}
+    """Sum each known metric over its label sets (one engine may expose several series).
+
+    An engine that exports both naming schemes (pdsim does, for either kind of peer router) would be
+    counted twice if the families were added up: each field takes the first family that has it,
+    SGLang's before vLLM's. Strict handover compares this count with the masters' leases.
+    """
+    per_metric: dict[str, float] = {}
     seen = False
     for line in text.splitlines():
         if not line or line[0] == "#":
@@ -41,7 +46,8 @@ def parse_metrics(text: str) -> LoadSample:
             if ch in "{ ":
                 name_end = i
                 break
-        field = _NAMES.get(line[:name_end])
+        name = line[:name_end]
+        field = _NAMES.get(name)
         if field is None:
             continue
         try:
@@ -51,9 +57,13 @@ def parse_metrics(text: str) -> LoadSample:
             continue
         seen = True
         if field == "kv_usage":
-            sums[field] = max(sums.get(field, 0.0), value)
+            per_metric[name] = max(per_metric.get(name, 0.0), value)
         else:
-            sums[field] = sums.get(field, 0.0) + value
+            per_metric[name] = per_metric.get(name, 0.0) + value
+    sums: dict[str, float] = {}
+    for name, field in _NAMES.items():  # dict order: SGLang names first
+        if name in per_metric and field not in sums:
+            sums[field] = per_metric[name]
     return LoadSample(
         running=int(sums.get("running", 0)),
         waiting=int(sums.get("waiting", 0)),

@@ -153,6 +153,11 @@ class LocalCluster:
         wait: bool = True,
         **extra: Any,
     ) -> Agent:
+        if endpoint is None:
+            # No engine behind this agent: nothing to probe, and without an engine's running count
+            # strict handover could only free a departed master's slots after --orphan-timeout.
+            extra.setdefault("no_load_probe", True)
+            extra.setdefault("handover", "fast")
         endpoint = endpoint or f"http://127.0.0.1:{free_port()}"
         argv = self._module("nodeagent") + [
             "--etcd", self.etcd, "--cluster", self.cluster, "--node-id", node_id,

@@ -26,15 +26,17 @@ from pdmaster.dataplane import DataPlane
 from pdmaster.dispatch import Dispatcher
 from pdmaster.http_api import ControlRoutes
 from pdmaster.metrics import MasterMetrics
-from pdmaster.registry import NodeRegistry
+from pdmaster.registry import DECODE, NodeRegistry
 from pdmaster.validation import Limits
 
 log = logging.getLogger(__name__)
 
-# Keep-alive so a dead agent is noticed within ~2 s even when it sends nothing.
+# Keep-alive so a dead or cut-off agent stream is noticed within ~0.75 s even when it sends
+# nothing: below the agents' default --grace (1 s), so a master stops using a node before the
+# agent hands its share to others (strict handover relies on this ordering).
 GRPC_SERVER_OPTIONS = [
-    ("grpc.keepalive_time_ms", 1000),
-    ("grpc.keepalive_timeout_ms", 1000),
+    ("grpc.keepalive_time_ms", 250),
+    ("grpc.keepalive_timeout_ms", 500),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 500),
     ("grpc.http2.max_pings_without_data", 0),
@@ -92,7 +94,13 @@ class MasterServer:
         self.admission.set_shares(shares, caps)
 
     def _slots(self, node_id: str) -> tuple[int, int]:
-        return self.admission.active_on(node_id), self.admission.wanted_slots()
+        # The queue can be served by any decode node: spread its demand over them, so agents that
+        # follow demand hand this master about what it is missing in all, not that much per node.
+        wanted = self.admission.wanted_slots()
+        if wanted:
+            nodes = max(1, len(self.registry.live(DECODE)))
+            wanted = -(-wanted // nodes)
+        return self.admission.active_on(node_id), wanted
 
     def admission_snapshot(self) -> dict[str, Any]:
         return self.admission.snapshot()

@@ -349,3 +349,34 @@ def expected_share_table(masters: Iterable[str], caps: dict[str, int]) -> dict[s
         for m, s in slice_shares(cap, names, node).items():
             table[m][node] = s
     return table
+
+
+def churn_masters(
+    cluster: LocalCluster, targets: Targets, masters: Sequence[str], duration: float, rng: random.Random
+) -> list[str]:
+    """Masters join, leave gracefully (SIGTERM: drain, revoke) and restart in a loop for ``duration``.
+
+    At least one master stays up. Returns a log of the actions with their times.
+    """
+    import signal
+
+    log: list[str] = []
+    start = time.monotonic()
+    while time.monotonic() - start < duration:
+        time.sleep(rng.uniform(0.3, 1.2))
+        up = [m for m in masters if cluster.masters[m].proc.alive]
+        down = [m for m in masters if m not in up]
+        choices = (["leave", "restart"] if len(up) >= 2 else []) + (["join"] * 2 if down else [])
+        action = rng.choice(choices)
+        mid = rng.choice(down if action == "join" else up)
+        if action in ("leave", "restart"):
+            proc = cluster.masters[mid].proc
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)  # the load balancer notices the failing readiness probe
+            targets.remove(mid)
+            proc.wait(30)
+        if action in ("join", "restart"):
+            start_master_retrying(cluster, mid)
+            targets.add_when_ready(mid)
+        log.append(f"{time.monotonic() - start:5.1f}s {action} {mid}")
+    return log

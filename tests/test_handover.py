@@ -224,3 +224,13 @@ def test_handover_issue_list_stays_bounded_without_acks() -> None:
         h.issue(e, {"a": e % 7})
     assert len(h.holders["a"].issued) <= 16
     assert h.holders["a"].hold == 6  # the largest share it may hold is never forgotten
+
+
+def test_a_failing_probe_falls_back_to_acks_for_the_startup_reservation() -> None:
+    s = Slicer(node_id="d1", capacity=4, grace_s=1.0)
+    s.set_masters(["a"], 0.0, 1)
+    s.stream_up("a", 0.0, 1)
+    s.on_ack("a", s.epoch, 0, 0, 0.1, 2)
+    assert s.share_for("a") == 0  # the probe has not answered yet
+    assert s.on_probe(None, 0.2, 0.3, 3)
+    assert s.share_for("a") == 4

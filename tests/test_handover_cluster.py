@@ -1,0 +1,93 @@
+"""Strict handover with real processes: masters join, leave and restart in a loop under load.
+
+The engines count every request that had to wait for a slot inside them (``pdsim_queued_total``):
+with strict handover that stays 0, because no master ever uses a slot another may still hold. The
+same loop in fast mode prints its overshoot beside it. ``PDCOORD_HANDOVER_S`` sets the loop's
+duration (default 20 s per mode).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import pytest
+
+from pdcoord.cluster import LocalCluster
+from tests.cluster_helpers import HANG, Load, churn_masters, summarize, wait_no_leases
+from tests.test_cluster_suite import DECODE, decode_queued, load_guard, run_load, start_fleet
+
+__all__ = ["load_guard"]  # the fixture, shared with the cluster suite
+
+pytestmark = pytest.mark.cluster
+
+MASTERS = ["m1", "m2", "m3"]
+
+
+class UsableSampler:
+    """Samples Σ over masters of max(share, active) per decode node from every live master."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.max_seen: dict[str, int] = dict.fromkeys(DECODE, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> UsableSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            total = dict.fromkeys(DECODE, 0)
+            for m in list(self.cluster.masters.values()):
+                if not m.proc.alive:
+                    continue
+                try:
+                    nodes = m.admission(timeout=1.0).get("admission_nodes", {})
+                except (OSError, ValueError):
+                    continue
+                for node, v in nodes.items():
+                    if node in total:
+                        total[node] += max(int(v["share"]), int(v["active"]))
+            for node, v in total.items():
+                self.max_seen[node] = max(self.max_seen[node], v)
+
+
+@pytest.mark.parametrize("mode", ["strict", "fast"])
+def test_masters_join_leave_and_restart_in_a_loop(
+    cluster: LocalCluster, load_guard: list[Load], mode: str
+) -> None:
+    duration = float(os.environ.get("PDCOORD_HANDOVER_S", "20"))
+    targets = start_fleet(cluster, MASTERS, agent_extra={"handover": mode})
+    # Saturating: more concurrent users than decode slots.
+    load = run_load(load_guard, targets, users=20, max_tokens=24, request_timeout_s=20, lb_retry=True)
+    with UsableSampler(cluster) as sampler:
+        log = churn_masters(cluster, targets, MASTERS, duration, random.Random(7))
+        time.sleep(1.0)
+    results = load.stop()
+    queued = decode_queued(cluster)
+    peaks = {n: v for n, v in sampler.max_seen.items()}
+    hangs = [r for r in results if r.status == HANG]
+    print(
+        f"\n{mode} handover, {len(log)} actions in {duration:.0f}s ({', '.join(a.split()[1] for a in log)}): "
+        f"{len(results)} requests ({summarize(results)}); pdsim_queued_total {queued}; "
+        f"largest sampled Σ max(share, active) per node {peaks} (capacity {DECODE})"
+    )
+    assert len(log) >= duration / 4, "the churn loop did too little"
+    assert {a.split()[1] for a in log} >= {"leave", "join"}, log
+    assert len(results) > 100
+    assert not hangs, f"{len(hangs)} requests hung"
+    assert sum(r.ok for r in results) > 0.5 * len(results), summarize(results)
+    live = [m for m in MASTERS if cluster.masters[m].proc.alive]
+    assert wait_no_leases(cluster) == {m: (0, 0) for m in live}
+    if mode == "strict":
+        assert all(v == 0 for v in queued.values()), f"decode engines queued requests: {queued}"
+        for node, cap in DECODE.items():
+            assert peaks[node] <= cap, f"{node}: masters could use {peaks[node]} > {cap} slots"
