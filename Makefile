@@ -37,8 +37,10 @@ proto-check: $(STAMP)
 
 ## Rerun the benchmarks (results in bench/results/, summary in bench/README.md).
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python bench/admission_bench.py
 	$(BIN)/python bench/admission_sim.py
+	$(BIN)/python bench/handover_bench.py
 
 ## Fetch helm (for the chart tests) into the virtual environment.
 helm: $(STAMP)

@@ -132,7 +132,7 @@ class ProtocolSim:
         self.agents = {n: SimAgent(n, c) for n, c in cfg.nodes.items()}
         self.masters = {m: SimMaster(m) for m in cfg.masters}
         self.etcd: set[str] = set()
-        self.measure_from = 0.0
+        self.measure_from = float("inf")  # set when the stable phase starts
         self._last_t = 0.0
         self.faults_on = True
         self.arrivals_on = True
@@ -323,7 +323,7 @@ class ProtocolSim:
         for t in changes:
             if t.state is TicketState.GRANTED and not t.released and t.id not in m.leases:
                 self._granted(m, t)
-            elif t.state is not TicketState.GRANTED and t.state is not TicketState.QUEUED:
+            elif t.state not in (TicketState.GRANTED, TicketState.QUEUED) and self.now >= self.measure_from:
                 self.stats.refused[m.mid] = self.stats.refused.get(m.mid, 0) + 1
 
     def _granted(self, m: SimMaster, t: Ticket) -> None:
@@ -350,7 +350,7 @@ class ProtocolSim:
             return
         slots = 2 if self.rng.random() < self.cfg.gang_fraction else 1
         t = m.core.submit(slots, RequestClass.COLD)
-        self.master_changes(m, [t, *m.core.last_changes])
+        self.master_changes(m, [t, *(x for x in m.core.last_changes if x is not t)])
 
     def master_timers(self) -> None:
         for m in self.masters.values():

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import threading
 import time
 
 import pytest
 
 from pdcoord.cluster import LocalCluster
-from tests.cluster_helpers import HANG, Load, churn_masters, summarize, wait_no_leases
+from tests.cluster_helpers import HANG, Load, LoadConfig, churn_masters, ready, summarize, wait_no_leases
 from tests.test_cluster_suite import DECODE, decode_queued, load_guard, run_load, start_fleet
 
 __all__ = ["load_guard"]  # the fixture, shared with the cluster suite
@@ -91,3 +92,52 @@ def test_masters_join_leave_and_restart_in_a_loop(
         assert all(v == 0 for v in queued.values()), f"decode engines queued requests: {queued}"
         for node, cap in DECODE.items():
             assert peaks[node] <= cap, f"{node}: masters could use {peaks[node]} > {cap} slots"
+
+
+def test_demand_shares_follow_a_90_10_split_with_real_processes(
+    cluster: LocalCluster, load_guard: list[Load]
+) -> None:
+    """Two masters, 18 closed-loop users on one and 2 on the other: throughput static vs demand.
+
+    The fleet starts static; the agents are then restarted with ``--share-policy demand`` under the
+    same load, so both halves of the run see the same processes and clients.
+    """
+    masters = ["m1", "m2"]
+    start_fleet(cluster, masters, agent_extra={"lease_ttl": 2})
+    m1, m2 = (cluster.masters[m].url for m in masters)
+
+    def measure(seconds: float) -> tuple[float, dict[str, int]]:
+        busy = Load(lambda: [("m1", m1)], LoadConfig(users=18, max_tokens=16, seed=3, gang_fraction=0.0))
+        idle = Load(lambda: [("m2", m2)], LoadConfig(users=2, max_tokens=16, seed=4, gang_fraction=0.0))
+        load_guard.extend([busy.start(), idle.start()])
+        time.sleep(3.0)  # let the split settle
+        before = len([r for r in busy.snapshot() + idle.snapshot() if r.ok])
+        caps: dict[str, int] = {}
+        time.sleep(seconds)
+        for m in masters:
+            caps[m] = cluster.masters[m].admission()["capacity"]
+        after = len([r for r in busy.snapshot() + idle.snapshot() if r.ok])
+        busy.stop()
+        idle.stop()
+        return (after - before) / seconds, caps
+
+    static_rps, static_caps = measure(6.0)
+    for node in list(cluster.agents):
+        agent = cluster.agents[node]
+        agent.proc.send_signal(signal.SIGTERM)  # graceful: revokes its lease
+        assert agent.proc.wait(15) == 0
+        agent.extra["share_policy"] = "demand"
+        cluster.restart_agent(node)
+    cluster.wait_for(lambda: all(ready(cluster.masters[m].url) for m in masters), timeout=20)
+    demand_rps, demand_caps = measure(6.0)
+    queued = decode_queued(cluster)
+    print(
+        f"\n90/10 split over two masters (12 decode slots): static {static_rps:.1f} ok req/s, capacity "
+        f"{static_caps}; demand {demand_rps:.1f} ok req/s, capacity {demand_caps}; "
+        f"pdsim_queued_total {queued}"
+    )
+    assert static_caps == {"m1": 6, "m2": 6}, static_caps
+    assert demand_caps["m1"] > static_caps["m1"] and demand_caps["m2"] >= 2, demand_caps
+    assert sum(demand_caps.values()) <= sum(DECODE.values())
+    assert demand_rps > static_rps, (static_rps, demand_rps)
+    assert all(v == 0 for v in queued.values()), f"decode engines queued requests: {queued}"
