@@ -346,11 +346,16 @@ class NodeAgent:
                     link.send_now.set()
             wake = next_report
             deadline = self.slicer.next_deadline()
-            if deadline is not None:
+            # A deadline already past was applied by the tick above (a grace window that ended
+            # stays listed while its master is in etcd); waking for it again would spin the loop.
+            if deadline is not None and deadline > now:
                 wake = min(wake, deadline + 0.001)
             self._kick.clear()
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+            # arrives as the event fires, and stop() would then wait for this task forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), max(0.0, wake - time.monotonic()))
+                async with asyncio.timeout(max(0.0, wake - time.monotonic())):
+                    await self._kick.wait()
 
     async def _probe_loop(self, probe: LoadProbe) -> None:
         while True:
@@ -447,11 +452,13 @@ class NodeAgent:
                         link.call.write(pb.AgentMessage(leaving=pb.Leaving(reason="shutdown"))), 0.5
                     )
                     await asyncio.wait_for(link.call.done_writing(), 0.5)
-        for task in self._tasks + [lk.task for lk in self.links.values() if lk.task is not None]:
+        tasks = self._tasks + [lk.task for lk in self.links.values() if lk.task is not None]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks + [lk.task for lk in self.links.values() if lk.task is not None]:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        # Bounded: a task that swallows its cancellation must not keep the agent (and its lease) up.
+        _, stuck = await asyncio.wait(tasks, timeout=3.0) if tasks else (set(), set())
+        for task in stuck:
+            log.warning("task %s did not stop within 3 s of its cancellation", task.get_name())
         if self.registration is not None:
             with contextlib.suppress(EtcdError):
                 await self.registration.stop(revoke=True)
