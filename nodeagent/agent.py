@@ -40,6 +40,8 @@ GRPC_CLIENT_OPTIONS = [
 ]
 
 _ROLE = {"prefill": pb.PREFILL, "decode": pb.DECODE}
+# At most 20 reports per second per master (the master refuses more than --max-reports-per-s, 50).
+MIN_REPORT_GAP_S = 0.05
 
 
 @dataclass
@@ -275,6 +277,7 @@ class NodeAgent:
                 if self._on_ack(link, first.ack) or changed:
                     self._changed()
                 reader = asyncio.create_task(self._read_acks(link, call))
+                last_sent = 0.0
                 while True:
                     waiter = asyncio.ensure_future(link.send_now.wait())
                     done, _ = await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
@@ -282,9 +285,15 @@ class NodeAgent:
                         waiter.cancel()
                         reader.result()
                         raise ConnectionError("master closed the stream")
+                    # Coalesce: during a handover every Ack may move a grant and ask for another
+                    # report; stay well below the master's per-stream report limit.
+                    gap = last_sent + MIN_REPORT_GAP_S - time.monotonic()
+                    if gap > 0:
+                        await asyncio.sleep(gap)
                     link.send_now.clear()
                     link.sent_epoch = self.slicer.epoch
                     await call.write(self._report_msg(link.master_id))
+                    last_sent = time.monotonic()
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
