@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -12,6 +11,7 @@ import grpc.aio
 from pdcoord.v1 import coordination_pb2 as pb
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
 from pdmaster.metrics import MasterMetrics
+from pdmaster.ratelimit import TokenBucket
 from pdmaster.registry import DECODE, PREFILL, Load, NodeRegistry, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,17 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         self.metrics.observe_node(self.registry, node_id)
         try:
             yield self._ack(node_id, node.epoch, 0)
-            window_start, in_window = time.monotonic(), 0
+            bucket = TokenBucket(self.max_reports_per_s)
             async for msg in request_iterator:
+                # every message counts, so a flood of empty or unknown ones is refused too
+                if not bucket.take():
+                    await self._refuse(
+                        context,
+                        "RESOURCE_EXHAUSTED",
+                        f"node {node_id}: more than {self.max_reports_per_s:g} messages per second "
+                        "(--max-reports-per-s); stream closed",
+                    )
+                    return
                 kind = msg.WhichOneof("msg")
                 if kind == "leaving":
                     log.info("node %s leaving: %s", node_id, msg.leaving.reason or "no reason given")
@@ -114,23 +123,16 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                     return
                 if kind != "report":
                     continue  # a message kind from a newer agent: ignore, stay compatible
-                now = time.monotonic()
-                if now - window_start >= 1.0:
-                    window_start, in_window = now, 0
-                in_window += 1
-                if in_window > self.max_reports_per_s:
-                    await self._refuse(
-                        context,
-                        "RESOURCE_EXHAUSTED",
-                        f"node {node_id}: more than {self.max_reports_per_s:g} reports per second",
-                    )
-                    return
                 rep = msg.report
-                self.registry.report_load(
-                    node_id,
-                    stream,
-                    Load(rep.load.running, rep.load.waiting, rep.load.kv_usage, rep.load.probe_ok),
-                )
+                try:
+                    self.registry.report_load(
+                        node_id,
+                        stream,
+                        Load(rep.load.running, rep.load.waiting, rep.load.kv_usage, rep.load.probe_ok),
+                    )
+                except ProtocolError as exc:
+                    await self._refuse(context, exc.code, exc.message)
+                    return
                 if rep.HasField("grant"):
                     try:
                         self.registry.apply_grant(
