@@ -142,7 +142,7 @@ def grpc_channel(
     return grpc.aio.secure_channel(address, tls.credentials(), options=opts + tls.options())
 
 
-_TLS_FAILURE_MARKERS = ("ssl", "handshake", "certificate", "tsi_", "x509", "peer name", "alpn")
+_TLS_FAILURE_MARKERS = ("ssl", "tls", "handshake", "certificate", "verification", "tsi_", "x509", "alpn")
 
 
 def looks_like_tls_failure(details: str | None) -> bool:
