@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
 from pdcoord.v1 import coordination_pb2 as pb
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
@@ -60,9 +61,20 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         log.warning("refusing node stream: %s", message)
         await context.abort(getattr(grpc.StatusCode, code), message)
 
+    async def _decoded(
+        self, messages: AsyncIterator[pb.AgentMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.AgentMessage]:
+        """The stream's messages; bytes that are not an AgentMessage end it with INVALID_ARGUMENT."""
+        try:
+            async for msg in messages:
+                yield msg
+        except DecodeError as exc:
+            await self._refuse(context, "INVALID_ARGUMENT", f"undecodable AgentMessage: {exc}")
+
     async def Connect(
         self, request_iterator: AsyncIterator[pb.AgentMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.MasterMessage]:
+        request_iterator = self._decoded(request_iterator, context)
         if self.draining:
             await self._refuse(context, "UNAVAILABLE", f"master {self.master_id} is draining")
         first = await anext(aiter(request_iterator), None)
