@@ -13,7 +13,8 @@ from typing import Any
 
 import grpc
 import grpc.aio
-from aiohttp import web
+from aiohttp import http_exceptions, web, web_protocol, web_urldispatcher
+from aiohttp.http import HttpVersion11
 from prometheus_client import CollectorRegistry
 
 from pdcoord import __version__
@@ -42,6 +43,41 @@ GRPC_SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", 1 << 20),
     ("grpc.max_send_message_length", 1 << 20),
 ]
+
+
+class _MalformedRequestFilter(logging.Filter):
+    """aiohttp logs every unparsable request (a 400 it already answered) with a traceback at ERROR;
+    from hostile or broken clients that is noise an attacker controls. Keep one line at INFO."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, http_exceptions.HttpProcessingError) and (exc.code or 400) < 500:
+            detail = exc.message
+        elif isinstance(exc, web_protocol.RequestPayloadError):  # e.g. a body that is not the gzip it claims
+            detail = str(exc).replace("\n", " ")
+        else:
+            return True
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.msg, record.args, record.exc_info = "refused malformed HTTP request: %s", (detail,), None
+        return True
+
+
+_MALFORMED_FILTER = _MalformedRequestFilter()
+
+
+async def _expect_handler(request: web.Request) -> None:
+    """aiohttp's default, except that an unknown Expect value is not echoed: aiohttp 3.14 echoes it
+    into its 417 text and a non-UTF-8 value then fails the encode, answering 500."""
+    if request.version == HttpVersion11:
+        if request.headers.get("Expect", "").lower() == "100-continue":
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0
+        else:
+            raise web.HTTPExpectationFailed(text="unsupported Expect header (only 100-continue)")
+
+
+# Routes, including the router's own 404/405 routes, look this default up when they are created.
+web_urldispatcher._default_expect_handler = _expect_handler
 
 
 class StartupError(Exception):
@@ -182,6 +218,7 @@ class MasterServer:
             raise StartupError(f"--grpc-port: cannot listen on {args.grpc_host}:{args.grpc_port}")
         await self.grpc_server.start()
 
+        logging.getLogger("aiohttp.server").addFilter(_MALFORMED_FILTER)  # idempotent
         self.http_runner = self._runner(self.build_app())
         self.http_port = await self._listen(self.http_runner, args.http_host, args.http_port, "--http-port")
         if self.separate_admin:
