@@ -179,8 +179,9 @@ class MasterServer:
     def build_admin_app(self) -> web.Application:
         """/metrics and /admission (and /health) for the admin listener: meant for a private network."""
         app = web.Application(client_max_size=64 * 1024)
-        self._control_routes().install(app, probes=False)
-        app.router.add_get("/health", self._control_routes().health)
+        routes = self._control_routes()
+        routes.install(app, probes=False)
+        app.router.add_get("/health", routes.health)
         return app
 
     def _runner(self, app: web.Application) -> web.AppRunner:
@@ -250,14 +251,16 @@ class MasterServer:
                 f"refusing to start a second master with the same id ({exc})"
             ) from exc
         log.info(
-            "master %s ready: http %s:%d grpc %s:%d (advertised %s), cluster %s",
+            "master %s ready: http %s:%d grpc %s:%d (advertised %s, %s), cluster %s, %s",
             self.master_id,
             args.http_host,
             self.http_port,
             args.grpc_host,
             self.grpc_port,
             advertise,
+            "plaintext" if self.grpc_tls is None else ("mTLS" if self.grpc_tls.mutual else "TLS"),
             args.cluster,
+            f"{len(self.api_keys)} API key(s)" if self.api_keys else "open API (no API keys)",
         )
         print(
             f"pdmaster ready master_id={self.master_id} "
