@@ -172,3 +172,20 @@ def test_credential_objects(pki: PKI) -> None:
     assert client.options() == [("grpc.ssl_target_name_override", "master.pdcoord.test")]
     with pytest.raises(TLSConfigError, match="not a usable certificate"):
         ServerTLS.load(pki.server.cert, pki.rogue_client.key)
+
+
+def test_agent_tls_flags_from_environment(pki: PKI, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nodeagent.main import build_parser
+    from pdcoord.tls import client_tls_from_args
+
+    base = ["--node-id", "n", "--role", "decode", "--endpoint", "http://x:1"]
+    assert client_tls_from_args(build_parser().parse_args(base)) is None
+    system_roots = client_tls_from_args(build_parser().parse_args([*base, "--grpc-tls"]))
+    assert system_roots is not None and system_roots.ca is None and system_roots.cert is None
+    monkeypatch.setenv("NODEAGENT_GRPC_TLS_CA", pki.ca.cert)
+    monkeypatch.setenv("NODEAGENT_GRPC_TLS_CERT", pki.client.cert)
+    monkeypatch.setenv("NODEAGENT_GRPC_TLS_KEY", pki.client.key)
+    monkeypatch.setenv("NODEAGENT_GRPC_TLS_SERVER_NAME", "master.pdcoord.test")
+    tls = client_tls_from_args(build_parser().parse_args(base))
+    assert tls is not None and tls.ca == Path(pki.ca.cert).read_bytes() and tls.cert is not None
+    assert tls.options() == [("grpc.ssl_target_name_override", "master.pdcoord.test")]
