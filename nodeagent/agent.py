@@ -24,6 +24,7 @@ from nodeagent.slicing import Slicer
 from pdcoord import __version__
 from pdcoord.etcd import EtcdClient, EtcdError, Registration, WatchCompacted
 from pdcoord.keys import Keys
+from pdcoord.tls import ClientTLS, grpc_channel, looks_like_tls_failure
 from pdcoord.v1 import coordination_pb2 as pb
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
 
@@ -72,6 +73,8 @@ class AgentConfig:
     orphan_timeout: float = 30.0
     # Report (and so collect Acks) this often while a master waits for slots others still hold.
     handover_poll: float = 0.1
+    grpc_tls: ClientTLS | None = None  # None: plaintext gRPC to the masters
+    etcd_options: dict[str, Any] = field(default_factory=dict)  # EtcdClient TLS / auth keywords
 
 
 @dataclass
@@ -90,7 +93,7 @@ class NodeAgent:
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
         self.keys = Keys.for_cluster(cfg.cluster, cfg.etcd_prefix)
-        self.etcd = EtcdClient(cfg.etcd)
+        self.etcd = EtcdClient(cfg.etcd, **cfg.etcd_options)
         self.slicer = Slicer(
             node_id=cfg.node_id,
             capacity=cfg.running_max_req_size,
@@ -260,7 +263,7 @@ class NodeAgent:
     async def _stream(self, link: MasterLink) -> None:
         backoff = 0.1
         while not self._stopping:
-            channel = grpc.aio.insecure_channel(link.address, options=GRPC_CLIENT_OPTIONS)
+            channel = grpc_channel(link.address, self.cfg.grpc_tls, GRPC_CLIENT_OPTIONS)
             reader: asyncio.Task[None] | None = None
             try:
                 call = pb_grpc.NodeCoordinationStub(channel).Connect()
@@ -298,7 +301,21 @@ class NodeAgent:
                 raise
             except grpc.aio.AioRpcError as exc:
                 level = logging.WARNING if exc.code() != grpc.StatusCode.UNAVAILABLE else logging.INFO
-                log.log(level, "stream to master %s: %s %s", link.master_id, exc.code().name, exc.details())
+                hint = ""
+                if looks_like_tls_failure(exc.details()):
+                    # a certificate problem does not heal by retrying: say so loudly
+                    level, hint = (
+                        logging.ERROR,
+                        " (TLS: check --grpc-tls-ca/--grpc-tls-cert/--grpc-tls-server-name)",
+                    )
+                log.log(
+                    level,
+                    "stream to master %s: %s %s%s",
+                    link.master_id,
+                    exc.code().name,
+                    exc.details(),
+                    hint,
+                )
             except (ConnectionError, grpc.aio.UsageError) as exc:
                 log.info("stream to master %s ended: %s", link.master_id, exc)
             finally:

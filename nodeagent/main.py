@@ -20,6 +20,13 @@ from pdcoord.config import (
     positive_int,
     setup_logging,
 )
+from pdcoord.tls import (
+    TLSConfigError,
+    add_etcd_security_flags,
+    add_grpc_client_tls_flags,
+    client_tls_from_args,
+    etcd_options_from_args,
+)
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -144,6 +151,8 @@ def build_parser() -> EnvArgumentParser:
         default=0,
         help="serve GET /health and /status on this port (0 = off)",
     )
+    add_grpc_client_tls_flags(p)
+    add_etcd_security_flags(p)
     add_common_flags(p)
     return p
 
@@ -151,8 +160,14 @@ def build_parser() -> EnvArgumentParser:
 async def _run(args: argparse.Namespace) -> int:
     from nodeagent.agent import AgentConfig, NodeAgent
     from nodeagent.probe import fetch_max_running_requests
-    from pdcoord.etcd import AlreadyRegistered
+    from pdcoord.etcd import AlreadyRegistered, EtcdError
 
+    try:
+        grpc_tls = client_tls_from_args(args)
+        etcd_options = etcd_options_from_args(args)
+    except TLSConfigError as exc:
+        print(f"nodeagent: error: {exc}", file=sys.stderr)
+        return 2
     capacity = args.running_max_req_size
     if capacity is None:
         async with aiohttp.ClientSession() as session:
@@ -192,6 +207,8 @@ async def _run(args: argparse.Namespace) -> int:
         rebalance_hysteresis=args.rebalance_hysteresis,
         rebalance_max_step=args.rebalance_max_step,
         orphan_timeout=args.orphan_timeout,
+        grpc_tls=grpc_tls,
+        etcd_options=etcd_options,
     )
     agent = NodeAgent(cfg)
     stop = asyncio.Event()
@@ -206,6 +223,10 @@ async def _run(args: argparse.Namespace) -> int:
             f"and its lease did not expire within --register-wait {args.register_wait:g}s ({exc})",
             file=sys.stderr,
         )
+        await agent.stop()
+        return 2
+    except EtcdError as exc:
+        print(f"nodeagent: error: etcd: {exc}", file=sys.stderr)
         await agent.stop()
         return 2
     await stop.wait()

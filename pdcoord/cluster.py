@@ -121,7 +121,9 @@ class LocalCluster:
         return [self.python, "-m", module]
 
     # -- masters ------------------------------------------------------------------------------
-    def start_master(self, master_id: str, *, wait: bool = True, **extra: Any) -> Master:
+    def start_master(
+        self, master_id: str, *, wait: bool = True, env: dict[str, str] | None = None, **extra: Any
+    ) -> Master:
         prev = self.masters.get(master_id)
         http_port = prev.http_port if prev else free_port()
         grpc_port = prev.grpc_port if prev else free_port()
@@ -132,7 +134,10 @@ class LocalCluster:
             *_flags(extra),
         ]  # fmt: skip
         proc = self.group.start(
-            f"master-{master_id}", argv, ready=f"http://127.0.0.1:{http_port}/health" if wait else None
+            f"master-{master_id}",
+            argv,
+            env=env,
+            ready=f"http://127.0.0.1:{http_port}/health" if wait else None,
         )
         master = Master(master_id, http_port, grpc_port, proc, dict(extra))
         self.masters[master_id] = master
@@ -151,6 +156,7 @@ class LocalCluster:
         endpoint: str | None = None,
         capacity: int | None = None,
         wait: bool = True,
+        env: dict[str, str] | None = None,
         **extra: Any,
     ) -> Agent:
         if endpoint is None:
@@ -168,7 +174,7 @@ class LocalCluster:
         health = free_port()
         argv += ["--health-host", "127.0.0.1", "--health-port", str(health)]
         proc = self.group.start(
-            f"agent-{node_id}", argv, ready=f"http://127.0.0.1:{health}/health" if wait else None
+            f"agent-{node_id}", argv, env=env, ready=f"http://127.0.0.1:{health}/health" if wait else None
         )
         agent = Agent(node_id, role, endpoint, capacity, proc, dict(extra))
         self.agents[node_id] = agent

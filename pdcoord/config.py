@@ -15,11 +15,23 @@ from collections.abc import Sequence
 from typing import Any
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    # A secret's default may come from the environment: --help must not print it.
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if getattr(action, "secret", False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class EnvArgumentParser(argparse.ArgumentParser):
-    """An ArgumentParser whose options default to ``$PREFIX_OPTION`` when that variable is set."""
+    """An ArgumentParser whose options default to ``$PREFIX_OPTION`` when that variable is set.
+
+    ``secret=True`` on an option keeps its (environment) default out of ``--help``. A repeatable
+    (``append``) option reads a comma-separated list from its variable.
+    """
 
     def __init__(self, *args: Any, env_prefix: str, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
         self.env_prefix = env_prefix.upper()
 
@@ -31,14 +43,18 @@ class EnvArgumentParser(argparse.ArgumentParser):
         group = super().add_argument_group(*args, **kwargs)
         plain = group.add_argument
 
-        def add(*a: Any, **kw: Any) -> argparse.Action:
-            return self._apply_env(plain(*a, **kw))
+        def add(*a: Any, secret: bool = False, **kw: Any) -> argparse.Action:
+            action = plain(*a, **kw)
+            action.secret = secret  # type: ignore[attr-defined]
+            return self._apply_env(action)
 
         group.add_argument = add  # type: ignore[method-assign]
         return group
 
-    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
-        return self._apply_env(super().add_argument(*args, **kwargs))
+    def add_argument(self, *args: Any, secret: bool = False, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        action.secret = secret  # type: ignore[attr-defined]
+        return self._apply_env(action)
 
     def _apply_env(self, action: argparse.Action) -> argparse.Action:
         longs = [s for s in action.option_strings if s.startswith("--")]
@@ -52,6 +68,12 @@ class EnvArgumentParser(argparse.ArgumentParser):
                 action.default = raw.strip().lower() in {"1", "true", "yes", "on"}
             elif isinstance(action, argparse._StoreFalseAction):
                 action.default = raw.strip().lower() not in {"1", "true", "yes", "on"}
+            elif isinstance(action, argparse._AppendAction):
+                try:
+                    convert = action.type if callable(action.type) else str
+                    action.default = [convert(x.strip()) for x in raw.split(",") if x.strip()]
+                except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+                    self.error(f"environment variable {env} (for {longs[0]}): invalid value: {exc}")
             else:
                 try:
                     action.default = action.type(raw) if callable(action.type) else raw

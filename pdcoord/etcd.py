@@ -61,12 +61,32 @@ _FATAL_CODES = (
 )
 
 
+_AUTH_FAILURES = (
+    "authentication failed",
+    "permission denied",
+    "user name is empty",
+    "invalid auth token",
+    "user name not found",
+)
+
+
 class EtcdError(Exception):
     """Any failure talking to etcd."""
 
 
 class EtcdUnavailable(EtcdError):
     """etcd did not answer (down, unreachable, or timed out)."""
+
+
+class EtcdTLSError(EtcdError):
+    """The TLS handshake with etcd failed (untrusted certificate, wrong name, missing client cert).
+
+    Not an outage: retrying does not help, so this is not an :class:`EtcdUnavailable`.
+    """
+
+
+class EtcdAuthError(EtcdError):
+    """etcd refused our credentials or their permissions (auth enabled, wrong user or password)."""
 
 
 class LeaseNotFound(EtcdError):
@@ -297,6 +317,18 @@ class EtcdClient:
     # ---------------------------------------------------------------- errors
 
     def _raise(self, op: str, exc: BaseException) -> NoReturn:
+        text = f"{exc.details() or ''}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+        low = text.lower()
+        if "handshake failed" in low or "certificate_verify_failed" in low or "bad_certificate" in low:
+            raise EtcdTLSError(
+                f"{self.where}: {op} failed: TLS handshake with etcd failed (check the etcd CA, "
+                f"client certificate and key, and that etcd serves TLS): {text}"
+            ) from exc
+        if any(m in low for m in _AUTH_FAILURES):
+            raise EtcdAuthError(
+                f"{self.where}: {op} failed: etcd refused the credentials (check the etcd user, "
+                f"password and the user's role permissions): {text}"
+            ) from exc
         if isinstance(exc, TimeoutError):
             raise EtcdUnavailable(f"{self.where}: {op} timed out after {self.timeout:g} s") from exc
         if isinstance(exc, etcd3aio.EtcdConnectionError | etcd3aio.EtcdTransientError):
@@ -864,8 +896,10 @@ class Registration:
 
 __all__ = [
     "AlreadyRegistered",
+    "EtcdAuthError",
     "EtcdClient",
     "EtcdError",
+    "EtcdTLSError",
     "EtcdUnavailable",
     "KeyValue",
     "LeaseKeeper",

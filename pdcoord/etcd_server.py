@@ -17,6 +17,7 @@ import tempfile
 import urllib.error
 import urllib.request
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 
@@ -31,6 +32,22 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 class EtcdServerError(RuntimeError):
     """The local etcd could not be found, started or stopped."""
+
+
+@dataclass(frozen=True)
+class EtcdServerTLS:
+    """Serve clients over TLS with this certificate; with ``client_ca`` clients must present a
+    certificate signed by it (etcd's ``--client-cert-auth``)."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+    def argv(self) -> list[str]:
+        out = ["--cert-file", self.cert_file, "--key-file", self.key_file]
+        if self.client_ca_file is not None:
+            out += ["--trusted-ca-file", self.client_ca_file, "--client-cert-auth"]
+        return out
 
 
 def _distro_binary() -> Path | None:
@@ -76,9 +93,15 @@ def etcd_argv(
     data_dir: str,
     name: str = "pdcoord",
     log_level: str = "info",
+    tls: EtcdServerTLS | None = None,
+    metrics_port: int | None = None,
 ) -> list[str]:
-    """Command line of a single-member etcd listening on host:port (clients) and host:peer_port."""
-    client_url = f"http://{host}:{port}"
+    """Command line of a single-member etcd listening on host:port (clients) and host:peer_port.
+
+    With ``tls`` the client port speaks TLS only; ``metrics_port`` adds a plain-HTTP listener for
+    /health and /metrics (how a TLS etcd stays easy to health-check).
+    """
+    client_url = f"{'https' if tls else 'http'}://{host}:{port}"
     peer_url = f"http://{host}:{peer_port}"
     return [
         binary,
@@ -102,6 +125,8 @@ def etcd_argv(
         "zap",
         "--log-level",
         log_level,
+        *(tls.argv() if tls is not None else []),
+        *(["--listen-metrics-urls", f"http://{host}:{metrics_port}"] if metrics_port else []),
     ]
 
 
@@ -142,8 +167,11 @@ class LocalEtcd:
         name: str = "pdcoord",
         log_level: str = "info",
         binary: str | None = None,
+        tls: EtcdServerTLS | None = None,
     ) -> None:
         self.host = host
+        self.tls = tls
+        self.metrics_port = 0
         self.port = port
         self.peer_port = peer_port
         self._auto_ports = port == 0 or peer_port == 0
@@ -167,7 +195,7 @@ class LocalEtcd:
 
     @property
     def url(self) -> str:
-        return f"http://{self.endpoint}"
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
 
     @property
     def pid(self) -> int | None:
@@ -200,6 +228,8 @@ class LocalEtcd:
                     self.port = free_port(self.host)
                 if attempt > 0 or not self.peer_port:
                     self.peer_port = free_port(self.host)
+                if self.tls is not None and (attempt > 0 or not self.metrics_port):
+                    self.metrics_port = free_port(self.host)
             try:
                 self._launch(binary, timeout)
                 self.starts += 1
@@ -221,14 +251,17 @@ class LocalEtcd:
             data_dir=self.data_dir,
             name=self.name,
             log_level=self.log_level,
+            tls=self.tls,
+            metrics_port=self.metrics_port or None,
         )
+        health_port = self.metrics_port or self.port
         # The shared launcher owns spawning, logging and stopping by PID; etcd only adds its health check.
         self._proc = ManagedProcess(
             "etcd",
             argv,
             env=None,
             log_path=self.log_path,
-            ready=lambda: etcd_healthy(self.host, self.port, timeout=0.5),
+            ready=lambda: etcd_healthy(self.host, health_port, timeout=0.5),
             ready_timeout=timeout,
             cwd=None,
         )

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
 from pdcoord.v1 import coordination_pb2 as pb
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
 from pdmaster.metrics import MasterMetrics
+from pdmaster.ratelimit import TokenBucket
 from pdmaster.registry import DECODE, PREFILL, Load, NodeRegistry, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -60,9 +61,20 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         log.warning("refusing node stream: %s", message)
         await context.abort(getattr(grpc.StatusCode, code), message)
 
+    async def _decoded(
+        self, messages: AsyncIterator[pb.AgentMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.AgentMessage]:
+        """The stream's messages; bytes that are not an AgentMessage end it with INVALID_ARGUMENT."""
+        try:
+            async for msg in messages:
+                yield msg
+        except DecodeError as exc:
+            await self._refuse(context, "INVALID_ARGUMENT", f"undecodable AgentMessage: {exc}")
+
     async def Connect(
         self, request_iterator: AsyncIterator[pb.AgentMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.MasterMessage]:
+        request_iterator = self._decoded(request_iterator, context)
         if self.draining:
             await self._refuse(context, "UNAVAILABLE", f"master {self.master_id} is draining")
         first = await anext(aiter(request_iterator), None)
@@ -103,8 +115,17 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         self.metrics.observe_node(self.registry, node_id)
         try:
             yield self._ack(node_id, node.epoch, 0)
-            window_start, in_window = time.monotonic(), 0
+            bucket = TokenBucket(self.max_reports_per_s)
             async for msg in request_iterator:
+                # every message counts, so a flood of empty or unknown ones is refused too
+                if not bucket.take():
+                    await self._refuse(
+                        context,
+                        "RESOURCE_EXHAUSTED",
+                        f"node {node_id}: more than {self.max_reports_per_s:g} messages per second "
+                        "(--max-reports-per-s); stream closed",
+                    )
+                    return
                 kind = msg.WhichOneof("msg")
                 if kind == "leaving":
                     log.info("node %s leaving: %s", node_id, msg.leaving.reason or "no reason given")
@@ -114,23 +135,16 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                     return
                 if kind != "report":
                     continue  # a message kind from a newer agent: ignore, stay compatible
-                now = time.monotonic()
-                if now - window_start >= 1.0:
-                    window_start, in_window = now, 0
-                in_window += 1
-                if in_window > self.max_reports_per_s:
-                    await self._refuse(
-                        context,
-                        "RESOURCE_EXHAUSTED",
-                        f"node {node_id}: more than {self.max_reports_per_s:g} reports per second",
-                    )
-                    return
                 rep = msg.report
-                self.registry.report_load(
-                    node_id,
-                    stream,
-                    Load(rep.load.running, rep.load.waiting, rep.load.kv_usage, rep.load.probe_ok),
-                )
+                try:
+                    self.registry.report_load(
+                        node_id,
+                        stream,
+                        Load(rep.load.running, rep.load.waiting, rep.load.kv_usage, rep.load.probe_ok),
+                    )
+                except ProtocolError as exc:
+                    await self._refuse(context, exc.code, exc.message)
+                    return
                 if rep.HasField("grant"):
                     try:
                         self.registry.apply_grant(

@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from pdmaster.admission_controller import AdmissionController, AdmissionRejected
@@ -179,6 +180,8 @@ class DataPlane:
         except web.HTTPRequestEntityTooLarge:
             limit = request.app._client_max_size
             return self._error(endpoint, 413, f"request body exceeds {limit} bytes (--max-body-bytes)")
+        except RequestPayloadError as exc:  # e.g. Content-Encoding: gzip over a body that is not gzip
+            return self._error(endpoint, 400, f"request body could not be read: {exc}".replace("\n", " "))
         try:
             parsed = parser(raw, self.limits)
         except InvalidRequest as exc:

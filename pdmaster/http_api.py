@@ -5,8 +5,10 @@ The data-plane routes (OpenAI / SGLang API) are added by ``pdmaster.dataplane``.
 
 from __future__ import annotations
 
+import hmac
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -39,6 +41,64 @@ def json_error(
     )
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def load_api_keys(keys: Sequence[str], keys_file: str | None) -> list[bytes]:
+    """API keys from the flag values and the file (one per line; blank lines and ``#`` comments ignored).
+
+    ValueError, naming the flag, when the file cannot be read or holds no key.
+    """
+    out = [k.strip() for k in keys if k.strip()]
+    if keys_file is not None:
+        try:
+            lines = Path(keys_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--api-keys-file {keys_file}: cannot read: {exc}") from exc
+        from_file = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+        if not from_file:
+            raise ValueError(f"--api-keys-file {keys_file}: holds no key")
+        out += from_file
+    return [k.encode() for k in dict.fromkeys(out)]
+
+
+def _bearer_matches(header: str | None, keys: Sequence[bytes]) -> bool:
+    if header is None:
+        return False
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    presented = token.strip().encode("utf-8", "surrogateescape")
+    # Compare against every key, without stopping early, so timing says nothing about which matched.
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(presented, key)
+    return ok
+
+
+def api_key_middleware(keys: Sequence[bytes], *, open_paths: Collection[str]) -> Any:
+    """Refuse requests without ``Authorization: Bearer <one of keys>`` with a 401 OpenAI error."""
+    frozen = list(keys)
+
+    @web.middleware
+    async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in open_paths or _bearer_matches(request.headers.get("Authorization"), frozen):
+            return await handler(request)
+        missing = "Authorization" not in request.headers
+        resp = json_error(
+            401,
+            "Missing API key: send 'Authorization: Bearer <key>'"
+            if missing
+            else "Incorrect API key provided",
+            type_="authentication_error",
+            code="missing_api_key" if missing else "invalid_api_key",
+        )
+        resp.headers["WWW-Authenticate"] = "Bearer"
+        return resp
+
+    return check_api_key
+
+
 class ControlRoutes:
     def __init__(
         self,
@@ -55,11 +115,13 @@ class ControlRoutes:
         self.admission_snapshot = admission_snapshot
         self.is_draining = is_draining
 
-    def install(self, app: web.Application) -> None:
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/readiness", self.readiness)
-        app.router.add_get("/metrics", self.metrics)
-        app.router.add_get("/admission", self.admission)
+    def install(self, app: web.Application, *, probes: bool = True, admin: bool = True) -> None:
+        if probes:
+            app.router.add_get("/health", self.health)
+            app.router.add_get("/readiness", self.readiness)
+        if admin:
+            app.router.add_get("/metrics", self.metrics)
+            app.router.add_get("/admission", self.admission)
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "master_id": self.master_id})

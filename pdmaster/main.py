@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
 from collections.abc import Sequence
@@ -15,7 +16,15 @@ from pdcoord.config import (
     positive_int,
     setup_logging,
 )
+from pdcoord.tls import add_etcd_security_flags, add_grpc_server_tls_flags
 from pdmaster.admission_controller import add_admission_flags
+
+
+def _api_key(text: str) -> str:
+    key = text.strip()
+    if not key:
+        raise argparse.ArgumentTypeError("an API key must not be empty")
+    return key
 
 
 def build_parser() -> EnvArgumentParser:
@@ -50,6 +59,31 @@ def build_parser() -> EnvArgumentParser:
         default=None,
         help="address agents use to reach this master's gRPC port (default: --grpc-host)",
     )
+    g.add_argument(
+        "--admin-host",
+        default=None,
+        help="serve /metrics and /admission on this address instead of the HTTP API port",
+    )
+    g.add_argument(
+        "--admin-port",
+        type=port,
+        default=None,
+        help="admin listener port (/metrics, /admission); when set they leave the public port",
+    )
+    add_grpc_server_tls_flags(p)
+    g = p.add_argument_group("HTTP API authentication")
+    g.add_argument(
+        "--api-key",
+        type=_api_key,
+        action="append",
+        default=[],
+        secret=True,
+        help="accept 'Authorization: Bearer <key>' with this key (repeatable); no keys = open API. "
+        "The environment variable may hold several keys separated by commas",
+    )
+    g.add_argument(
+        "--api-keys-file", default=None, help="file with one API key per line (blank lines and # ignored)"
+    )
     g = p.add_argument_group("limits")
     g.add_argument(
         "--max-node-capacity",
@@ -67,6 +101,25 @@ def build_parser() -> EnvArgumentParser:
     g.add_argument(
         "--max-body-bytes", type=positive_int, default=4 * 1024 * 1024, help="largest request body"
     )
+    g.add_argument(
+        "--max-header-bytes",
+        type=positive_int,
+        default=8190,
+        help="longest HTTP request line and header field",
+    )
+    g.add_argument("--max-headers", type=positive_int, default=128, help="most HTTP request header fields")
+    g.add_argument(
+        "--max-start-args",
+        type=positive_int,
+        default=64,
+        help="most start_args entries an agent may register",
+    )
+    g.add_argument(
+        "--max-start-arg-bytes",
+        type=positive_int,
+        default=1024,
+        help="longest start_args key or value an agent may register",
+    )
     g.add_argument("--max-n", type=positive_int, default=16, help="largest n (choices) per request")
     g.add_argument("--max-tokens", type=positive_int, default=32768, help="largest max_tokens per request")
     g = p.add_argument_group("data plane")
@@ -83,6 +136,7 @@ def build_parser() -> EnvArgumentParser:
         help="how the prefill node is chosen (round-robin is for comparison)",
     )
     g.add_argument("--model", default=None, help="model name served; requests naming another get 404")
+    add_etcd_security_flags(p)
     add_admission_flags(p)
     add_common_flags(p)
     return p
@@ -91,13 +145,18 @@ def build_parser() -> EnvArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, f"pdmaster[{args.master_id}]")
+    from pdcoord.etcd import EtcdError
+    from pdcoord.tls import TLSConfigError
     from pdmaster.server import MasterServer, StartupError
 
-    server = MasterServer(args)
     try:
+        server = MasterServer(args)
         asyncio.run(server.serve_forever())
-    except StartupError as exc:
+    except (StartupError, TLSConfigError) as exc:
         print(f"pdmaster: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except EtcdError as exc:
+        print(f"pdmaster: error: etcd: {exc}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         pass

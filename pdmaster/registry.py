@@ -7,12 +7,15 @@ adapter feeds it messages and turns its verdicts into statuses.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
 PREFILL = "prefill"
 DECODE = "decode"
+MAX_ENDPOINT_CHARS = 2048
+MAX_AGENT_VERSION_CHARS = 128
 
 
 class ProtocolError(Exception):
@@ -90,9 +93,18 @@ SharesListener = Callable[[Mapping[str, int]], None]
 class NodeRegistry:
     """Nodes known to this master, keyed by node id, and the decode shares derived from them."""
 
-    def __init__(self, *, max_node_capacity: int = 4096, max_nodes: int = 10_000) -> None:
+    def __init__(
+        self,
+        *,
+        max_node_capacity: int = 4096,
+        max_nodes: int = 10_000,
+        max_start_args: int = 64,
+        max_start_arg_bytes: int = 1024,
+    ) -> None:
         self.max_node_capacity = max_node_capacity
         self.max_nodes = max_nodes
+        self.max_start_args = max_start_args
+        self.max_start_arg_bytes = max_start_arg_bytes
         self.nodes: dict[str, Node] = {}
         self._next_stream = 0
         self._listeners: list[SharesListener] = []
@@ -154,9 +166,19 @@ class NodeRegistry:
         """Admit a new stream's Register; returns the node and the stream token."""
         if not node_id or len(node_id) > 253:
             raise ProtocolError("INVALID_ARGUMENT", "Register.node_id must be 1-253 characters")
+        if not node_id.isprintable() or any(c.isspace() for c in node_id):
+            raise ProtocolError(
+                "INVALID_ARGUMENT", f"Register.node_id {node_id!r} must be printable, without whitespace"
+            )
         if role not in (PREFILL, DECODE):
             raise ProtocolError(
                 "INVALID_ARGUMENT", f"node {node_id}: Register.role must be PREFILL or DECODE"
+            )
+        if len(endpoint) > MAX_ENDPOINT_CHARS:
+            raise ProtocolError(
+                "INVALID_ARGUMENT",
+                f"node {node_id}: Register.endpoint is {len(endpoint)} characters, "
+                f"at most {MAX_ENDPOINT_CHARS} allowed",
             )
         if not endpoint.startswith(("http://", "https://")):
             raise ProtocolError(
@@ -173,6 +195,12 @@ class NodeRegistry:
                 f"node {node_id}: running_max_req_size {running_max_req_size} exceeds this master's "
                 f"--max-node-capacity {self.max_node_capacity}",
             )
+        if len(agent_version) > MAX_AGENT_VERSION_CHARS:
+            raise ProtocolError(
+                "INVALID_ARGUMENT",
+                f"node {node_id}: Register.agent_version longer than {MAX_AGENT_VERSION_CHARS} characters",
+            )
+        self._check_start_args(node_id, start_args or {})
         old = self.nodes.get(node_id)
         if old is not None and old.connected:
             raise ProtocolError(
@@ -211,6 +239,22 @@ class NodeRegistry:
         self._publish()
         return node, node.stream
 
+    def _check_start_args(self, node_id: str, start_args: Mapping[str, str]) -> None:
+        if len(start_args) > self.max_start_args:
+            raise ProtocolError(
+                "INVALID_ARGUMENT",
+                f"node {node_id}: Register.start_args has {len(start_args)} entries, "
+                f"this master accepts at most {self.max_start_args} (--max-start-args)",
+            )
+        limit = self.max_start_arg_bytes
+        for key, value in start_args.items():
+            if not key or len(key.encode()) > limit or len(value.encode()) > limit:
+                raise ProtocolError(
+                    "INVALID_ARGUMENT",
+                    f"node {node_id}: Register.start_args entry {key[:64]!r} has an empty key or a key or "
+                    f"value longer than {limit} bytes (--max-start-arg-bytes)",
+                )
+
     def _check_share(self, node: Node, share: int) -> None:
         if share < 0 or share > node.running_max_req_size:
             raise ProtocolError(
@@ -240,6 +284,10 @@ class NodeRegistry:
 
     def report_load(self, node_id: str, stream: int, load: Load) -> None:
         node = self._owned(node_id, stream)
+        if not math.isfinite(load.kv_usage) or load.kv_usage < 0:
+            raise ProtocolError(
+                "INVALID_ARGUMENT", f"node {node_id}: Report.load.kv_usage must be a finite number >= 0"
+            )
         node.load = load
 
     def disconnect(self, node_id: str, stream: int) -> None:

@@ -179,6 +179,7 @@ SCENARIOS: dict[str, dict[str, Any] | None] = {
     "external-etcd": load_values_file(CHART / "ci" / "external-etcd-values.yaml"),
     "demo": load_values_file(CHART / "ci" / "demo-values.yaml"),
     "hpa": load_values_file(CHART / "ci" / "hpa-values.yaml"),
+    "security": load_values_file(CHART / "ci" / "security-values.yaml"),
     "sglang-example": load_values_file(CHART / "examples" / "sglang-engines-values.yaml"),
     "vllm-example": load_values_file(CHART / "examples" / "vllm-engines-values.yaml"),
 }
@@ -541,6 +542,139 @@ def test_agent_options_follow_values(helm: str) -> None:
     assert flags(master)["cluster"] == "fleet-a"
 
 
+# --- security: TLS, etcd auth, API keys, admin port -------------------------------------------------
+
+
+def _mounts(c: Doc) -> dict[str, str]:
+    return {m["name"]: m["mountPath"] for m in c.get("volumeMounts", []) if m.get("readOnly")}
+
+
+def _secret_volumes(pod: Doc) -> dict[str, str]:
+    return {v["name"]: v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+
+
+def _mounted_file(c: Doc, pod: Doc, path: str | None) -> tuple[str, str]:
+    """(Secret name, file name) behind a flag's path, via the container's mounts and the pod's volumes."""
+    assert path is not None
+    for name, mount in _mounts(c).items():
+        if path.startswith(mount + "/"):
+            return _secret_volumes(pod)[name], path[len(mount) + 1 :]
+    raise AssertionError(f"{path} is not under a read-only Secret mount of {c['name']}")
+
+
+def test_security_values_wire_every_secret(helm: str) -> None:
+    docs = render(SCENARIOS["security"])
+    dep = one(docs, "Deployment", MASTER)
+    pod = dep["spec"]["template"]["spec"]
+    master = container(pod, "pdmaster")
+    f = flags(master)
+    assert _mounted_file(master, pod, f["grpc-tls-cert"]) == ("pdcoord-grpc-server", "tls.crt")
+    assert _mounted_file(master, pod, f["grpc-tls-key"]) == ("pdcoord-grpc-server", "tls.key")
+    assert _mounted_file(master, pod, f["grpc-tls-client-ca"]) == ("pdcoord-grpc-server", "ca.crt")
+    assert _mounted_file(master, pod, f["etcd-ca"]) == ("etcd-client-tls", "ca.crt")
+    assert _mounted_file(master, pod, f["etcd-cert"]) == ("etcd-client-tls", "tls.crt")
+    assert _mounted_file(master, pod, f["etcd-key"]) == ("etcd-client-tls", "tls.key")
+    assert f["etcd-user"] == "pdcoord"
+    # items map the Secret key onto the file name the flag reads
+    vols = {v["name"]: v for v in pod["volumes"]}
+    secret, name = _mounted_file(master, pod, f["etcd-password-file"])
+    (vol,) = [v for v in vols.values() if v.get("secret", {}).get("secretName") == secret]
+    assert vol["secret"]["items"] == [{"key": "password", "path": name}]
+    secret, name = _mounted_file(master, pod, f["api-keys-file"])
+    (vol,) = [v for v in vols.values() if v.get("secret", {}).get("secretName") == secret]
+    assert secret == "pdcoord-api-keys" and vol["secret"]["items"] == [{"key": "api-keys", "path": name}]
+    # admin listener: its own port, its own ClusterIP Service, scraped by the ServiceMonitor
+    assert f["admin-port"] == "9090" and f["admin-host"] == "0.0.0.0" and port_number(master, "admin") == 9090
+    admin = one(docs, "Service", f"{MASTER}-admin")
+    assert admin["spec"]["type"] == "ClusterIP" and admin["spec"]["ports"][0]["targetPort"] == "admin"
+    assert all(p["name"] != "admin" for p in one(docs, "Service", MASTER)["spec"]["ports"])
+    (endpoint,) = one(docs, "ServiceMonitor", MASTER)["spec"]["endpoints"]
+    assert endpoint["port"] == "admin"
+    # probes stay on the API port, which keeps /health and /readiness open
+    assert master["readinessProbe"]["httpGet"]["port"] == "http"
+
+    agents = list(agent_containers(docs))
+    assert len(agents) == 2
+    for workload, agent in agents:
+        apod = workload["spec"]["template"]["spec"]
+        af = flags(agent)
+        assert _mounted_file(agent, apod, af["grpc-tls-ca"]) == ("pdcoord-grpc-agent", "ca.crt")
+        assert _mounted_file(agent, apod, af["grpc-tls-cert"]) == ("pdcoord-grpc-agent", "tls.crt")
+        assert _mounted_file(agent, apod, af["grpc-tls-key"]) == ("pdcoord-grpc-agent", "tls.key")
+        assert af["grpc-tls-server-name"] == f"{RELEASE}-pdcoord-master-grpc.{NAMESPACE}.svc"
+        assert _mounted_file(agent, apod, af["etcd-ca"]) == ("etcd-client-tls", "ca.crt")
+        assert _mounted_file(agent, apod, af["etcd-password-file"])[0] == "etcd-password"
+        assert "pdcoord-api-keys" not in _secret_volumes(apod).values()  # agents never see API keys
+
+    test_pod = one(docs, "Pod", f"{RELEASE}-pdcoord-test")
+    script = test_pod["spec"]["containers"][0]["command"][2]
+    assert f"http://{MASTER}-admin:9090/admission" in script
+
+
+def test_plain_server_tls_and_api_keys_without_admin_port(helm: str) -> None:
+    docs = render(
+        {
+            "demo": {"enabled": True},
+            "tls": {"grpc": {"existingSecret": "grpc", "mutual": False, "serverName": "pdmaster.example"}},
+            "master": {"apiKeys": {"existingSecret": "keys", "key": "k"}},
+        }
+    )
+    f = flags(master_container(docs))
+    assert "grpc-tls-cert" in f and "grpc-tls-client-ca" not in f and "admin-port" not in f
+    for _, agent in agent_containers(docs):
+        af = flags(agent)
+        assert af["grpc-tls-server-name"] == "pdmaster.example" and "grpc-tls-cert" not in af
+        assert not any(k.startswith("etcd-") for k in af)
+    # without an admin port the helm test authenticates with the first key
+    check = one(docs, "Pod", f"{RELEASE}-pdcoord-test")["spec"]["containers"][0]
+    env = {e["name"]: e for e in check["env"]}
+    assert env["PDCOORD_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "k"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBE_VERSIONS[0], strict=True)
+
+
+def test_defaults_mount_no_secrets(helm: str) -> None:
+    docs = render({"demo": {"enabled": True}})
+    for d in find(docs, "Deployment"):
+        assert not _secret_volumes(d["spec"]["template"]["spec"]), d["metadata"]["name"]
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            assert not any(k.startswith(("grpc-tls", "etcd-ca", "etcd-user", "api-key")) for k in flags(c))
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"etcd": {"tls": {"existingSecret": "x"}}}, "etcd.tls is for an external etcd"),
+        ({"etcd": {"auth": {"user": "u"}}}, "etcd.auth.user needs etcd.auth.existingSecret"),
+        ({"etcd": {"auth": {"existingSecret": "s"}}}, "etcd.auth.existingSecret needs etcd.auth.user"),
+        (
+            {"master": {"apiKeys": {"existingSecret": "k"}, "serviceMonitor": {"enabled": True}}},
+            "needs master.adminPort",
+        ),
+    ],
+)
+def test_inconsistent_security_values_are_refused(helm: str, values: dict[str, Any], message: str) -> None:
+    proc = _template(json.dumps(values))
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("module", "prog", "command"),
+    [("pdmaster.main", "pdmaster", "pdmaster"), ("nodeagent.main", "nodeagent", "nodeagent")],
+)
+def test_security_flags_exist_in_the_cli(helm: str, module: str, prog: str, command: str) -> None:
+    help_text = " ".join(_cli_help(module, prog).split())
+    docs = render(SCENARIOS["security"])
+    checked = 0
+    for d in find(docs, "Deployment"):
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            if c.get("command") == [command]:
+                for flag in flags(c):
+                    assert f"--{flag}" in help_text, f"{command} has no --{flag}"
+                    checked += 1
+    assert checked > 10
+
+
 # --- bad values -----------------------------------------------------------------------------------
 
 
@@ -555,6 +689,9 @@ BAD_VALUES = {
     "port-out-of-range": ({"master": {"httpPort": 70000}}, "httpPort"),
     "bad-anti-affinity": ({"master": {"antiAffinity": "sometimes"}}, "antiAffinity"),
     "string-drain": ({"master": {"drainTimeout": "ten"}}, "drainTimeout"),
+    "admin-port-out-of-range": ({"master": {"adminPort": 70000}}, "adminPort"),
+    "bad-secret-name": ({"tls": {"grpc": {"existingSecret": "Not A Name"}}}, "existingSecret"),
+    "unknown-tls-key": ({"tls": {"grpc": {"cert": "x"}}}, "cert"),
 }
 
 

@@ -183,7 +183,8 @@ Keys of the dict:
   name           container name (default "nodeagent")
 
 The node id is the pod name and the endpoint the pod IP (downward API), so each replica of a
-Deployment registers as its own node.
+Deployment registers as its own node. With tls.grpc or etcd.tls / etcd.auth set, the pod also needs
+the volumes of "pdcoord.nodeagent.volumes".
 */}}
 {{- define "pdcoord.nodeagent.container" -}}
 {{- $root := required "pdcoord.nodeagent.container: pass the root context as \"root\"" .root }}
@@ -223,6 +224,17 @@ Deployment registers as its own node.
     - --health-port={{ int $na.healthPort }}
     - --lease-ttl={{ $root.Values.leaseTtl }}
     - --log-level={{ $root.Values.logLevel }}
+    {{- if include "pdcoord.grpc.agentSecret" $root }}
+    - --grpc-tls-ca=/etc/pdcoord/grpc-tls/ca.crt
+    - --grpc-tls-server-name={{ include "pdcoord.grpc.serverName" $root }}
+    {{- if $root.Values.tls.grpc.mutual }}
+    - --grpc-tls-cert=/etc/pdcoord/grpc-tls/tls.crt
+    - --grpc-tls-key=/etc/pdcoord/grpc-tls/tls.key
+    {{- end }}
+    {{- end }}
+    {{- with (include "pdcoord.etcd.securityArgs" $root | trim) }}
+    {{- . | nindent 4 }}
+    {{- end }}
     {{- with $na.extraArgs }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -255,4 +267,128 @@ Deployment registers as its own node.
     {{- toYaml $na.resources | nindent 4 }}
   securityContext:
     {{- toYaml (merge (deepCopy (default dict $na.securityContext)) (deepCopy $root.Values.securityContext)) | nindent 4 }}
+  {{- with (include "pdcoord.security.volumeMounts" (dict "root" $root "component" "nodeagent") | trim) }}
+  volumeMounts:
+    {{- . | nindent 4 }}
+  {{- end }}
+{{- end }}
+
+{{/*
+Transport security. Secrets are referenced by name and mounted read-only under /etc/pdcoord:
+  grpc-tls   tls.grpc.existingSecret (masters) / tls.grpc.agentSecret (agents): tls.crt, tls.key, ca.crt
+  etcd-tls   etcd.tls.existingSecret: ca.crt (+ tls.crt, tls.key with etcd.tls.clientCert)
+  etcd-auth  etcd.auth.existingSecret: the password under etcd.auth.passwordKey
+  api-keys   master.apiKeys.existingSecret: one key per line under master.apiKeys.key
+*/}}
+{{- define "pdcoord.security.check" -}}
+{{- $e := .Values.etcd }}
+{{- if and $e.tls.existingSecret $e.enabled }}
+{{- fail "etcd.tls is for an external etcd (etcd.enabled=false): the bundled etcd serves plaintext inside the namespace" }}
+{{- end }}
+{{- if and $e.auth.user (not $e.auth.existingSecret) }}
+{{- fail "etcd.auth.user needs etcd.auth.existingSecret (the Secret holding the password)" }}
+{{- end }}
+{{- if and $e.auth.existingSecret (not $e.auth.user) }}
+{{- fail "etcd.auth.existingSecret needs etcd.auth.user" }}
+{{- end }}
+{{- $m := .Values.master }}
+{{- if and $m.apiKeys.existingSecret $m.serviceMonitor.enabled (kindIs "invalid" $m.adminPort) }}
+{{- fail "master.apiKeys with master.serviceMonitor needs master.adminPort: Prometheus scrapes /metrics there without an API key" }}
+{{- end }}
+{{- end }}
+
+{{- define "pdcoord.grpc.agentSecret" -}}
+{{- default .Values.tls.grpc.existingSecret .Values.tls.grpc.agentSecret }}
+{{- end }}
+
+{{- define "pdcoord.grpc.serverName" -}}
+{{- default (printf "%s.%s.svc" (include "pdcoord.componentName" (dict "root" . "component" "master-grpc")) .Release.Namespace) .Values.tls.grpc.serverName }}
+{{- end }}
+
+{{/* etcd TLS / auth flags, shared by pdmaster and nodeagent. */}}
+{{- define "pdcoord.etcd.securityArgs" -}}
+{{- $e := .Values.etcd }}
+{{- if $e.tls.existingSecret }}
+- --etcd-ca=/etc/pdcoord/etcd-tls/ca.crt
+{{- if $e.tls.clientCert }}
+- --etcd-cert=/etc/pdcoord/etcd-tls/tls.crt
+- --etcd-key=/etc/pdcoord/etcd-tls/tls.key
+{{- end }}
+{{- end }}
+{{- if $e.auth.user }}
+- --etcd-user={{ $e.auth.user }}
+- --etcd-password-file=/etc/pdcoord/etcd-auth/password
+{{- end }}
+{{- end }}
+
+{{/* volumeMounts for the Secrets a component uses (component: master or nodeagent). */}}
+{{- define "pdcoord.security.volumeMounts" -}}
+{{- $root := .root }}
+{{- if (eq .component "master" | ternary $root.Values.tls.grpc.existingSecret (include "pdcoord.grpc.agentSecret" $root)) }}
+- name: pdcoord-grpc-tls
+  mountPath: /etc/pdcoord/grpc-tls
+  readOnly: true
+{{- end }}
+{{- if $root.Values.etcd.tls.existingSecret }}
+- name: pdcoord-etcd-tls
+  mountPath: /etc/pdcoord/etcd-tls
+  readOnly: true
+{{- end }}
+{{- if $root.Values.etcd.auth.existingSecret }}
+- name: pdcoord-etcd-auth
+  mountPath: /etc/pdcoord/etcd-auth
+  readOnly: true
+{{- end }}
+{{- if and (eq .component "master") $root.Values.master.apiKeys.existingSecret }}
+- name: pdcoord-api-keys
+  mountPath: /etc/pdcoord/api-keys
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* The pod volumes behind pdcoord.security.volumeMounts. */}}
+{{- define "pdcoord.security.volumes" -}}
+{{- $root := .root }}
+{{- $grpc := eq .component "master" | ternary $root.Values.tls.grpc.existingSecret (include "pdcoord.grpc.agentSecret" $root) }}
+{{- if $grpc }}
+- name: pdcoord-grpc-tls
+  secret:
+    secretName: {{ $grpc }}
+    defaultMode: 0440
+{{- end }}
+{{- with $root.Values.etcd.tls.existingSecret }}
+- name: pdcoord-etcd-tls
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0440
+{{- end }}
+{{- with $root.Values.etcd.auth.existingSecret }}
+- name: pdcoord-etcd-auth
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0440
+    items:
+      - key: {{ $root.Values.etcd.auth.passwordKey }}
+        path: password
+{{- end }}
+{{- if and (eq .component "master") $root.Values.master.apiKeys.existingSecret }}
+- name: pdcoord-api-keys
+  secret:
+    secretName: {{ $root.Values.master.apiKeys.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ $root.Values.master.apiKeys.key }}
+        path: api-keys
+{{- end }}
+{{- end }}
+
+{{/*
+Volumes the nodeagent sidecar needs (TLS and etcd Secrets); add them to the engine pod next to
+the container, e.g.
+  volumes:
+    {{- include "pdcoord.nodeagent.volumes" (dict "root" $) | nindent 4 }}
+Renders nothing when no Secret is configured.
+*/}}
+{{- define "pdcoord.nodeagent.volumes" -}}
+{{- include "pdcoord.security.volumes" (dict "root" .root "component" "nodeagent") }}
 {{- end }}
