@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcoord.launcher import ManagedProcess, ProcessGroup
+from pdcoord.launcher import ManagedProcess, ProcessError, ProcessGroup
 from pdcoord.netutil import free_port
 
 
@@ -127,18 +127,27 @@ class LocalCluster:
         prev = self.masters.get(master_id)
         http_port = prev.http_port if prev else free_port()
         grpc_port = prev.grpc_port if prev else free_port()
-        argv = self._module("pdmaster") + [
-            "--etcd", self.etcd, "--cluster", self.cluster, "--master-id", master_id,
-            "--http-host", "127.0.0.1", "--http-port", str(http_port),
-            "--grpc-host", "127.0.0.1", "--grpc-port", str(grpc_port),
-            *_flags(extra),
-        ]  # fmt: skip
-        proc = self.group.start(
-            f"master-{master_id}",
-            argv,
-            env=env,
-            ready=f"http://127.0.0.1:{http_port}/health" if wait else None,
-        )
+        for attempt in range(3):
+            argv = self._module("pdmaster") + [
+                "--etcd", self.etcd, "--cluster", self.cluster, "--master-id", master_id,
+                "--http-host", "127.0.0.1", "--http-port", str(http_port),
+                "--grpc-host", "127.0.0.1", "--grpc-port", str(grpc_port),
+                *_flags(extra),
+            ]  # fmt: skip
+            try:
+                proc = self.group.start(
+                    f"master-{master_id}",
+                    argv,
+                    env=env,
+                    ready=f"http://127.0.0.1:{http_port}/health" if wait else None,
+                )
+                break
+            except ProcessError as exc:
+                # A port picked (or kept across a restart) can be taken by another process in the
+                # meantime; anything else is a real failure.
+                if "address already in use" not in str(exc) or attempt == 2:
+                    raise
+                http_port, grpc_port = free_port(), free_port()
         master = Master(master_id, http_port, grpc_port, proc, dict(extra))
         self.masters[master_id] = master
         return master

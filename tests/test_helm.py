@@ -527,13 +527,20 @@ def test_agent_options_follow_values(helm: str) -> None:
             "cluster": "fleet-a",
             "logLevel": "debug",
             "leaseTtl": 8,
-            "nodeagent": {"loadProbe": False, "healthPort": 9091, "image": {"tag": "agent-1"}},
+            "nodeagent": {
+                "loadProbe": False,
+                "healthPort": 9091,
+                "image": {"tag": "agent-1"},
+                "handover": "fast",
+                "sharePolicy": "demand",
+            },
         }
     )
     agents = list(agent_containers(docs))
     assert len(agents) == 2
     for _, agent in agents:
         f = flags(agent)
+        assert f["handover"] == "fast" and f["share-policy"] == "demand"
         assert f["cluster"] == "fleet-a" and f["log-level"] == "debug" and f["lease-ttl"] == "8"
         assert "no-load-probe" in f and f["no-load-probe"] is None
         assert f["health-port"] == "9091" and port_number(agent, "agent-health") == 9091
@@ -692,6 +699,8 @@ BAD_VALUES = {
     "admin-port-out-of-range": ({"master": {"adminPort": 70000}}, "adminPort"),
     "bad-secret-name": ({"tls": {"grpc": {"existingSecret": "Not A Name"}}}, "existingSecret"),
     "unknown-tls-key": ({"tls": {"grpc": {"cert": "x"}}}, "cert"),
+    "bad-handover": ({"nodeagent": {"handover": "eventually"}}, "handover"),
+    "bad-share-policy": ({"nodeagent": {"sharePolicy": "random"}}, "sharePolicy"),
 }
 
 

@@ -221,6 +221,8 @@ the volumes of "pdcoord.nodeagent.volumes".
     {{- if not $na.loadProbe }}
     - --no-load-probe
     {{- end }}
+    - --handover={{ default "strict" $na.handover }}
+    - --share-policy={{ default "static" $na.sharePolicy }}
     - --health-port={{ int $na.healthPort }}
     - --lease-ttl={{ $root.Values.leaseTtl }}
     - --log-level={{ $root.Values.logLevel }}
