@@ -89,8 +89,13 @@ class Handover:
     def include(self, master_id: str) -> None:
         self.holders.setdefault(master_id, Holder())
 
-    def exclude(self, master_id: str, now: float, epoch: int) -> None:
-        """The master left the split; what it may still use stays reserved."""
+    def exclude(self, master_id: str, now: float, epoch: int, not_before: float = 0.0) -> None:
+        """The master left the split; what it may still use stays reserved.
+
+        ``not_before``: until then the master may not yet know that it lost this node (its stream
+        was up until recently), so it may still place work here; no engine sample taken earlier
+        can release its slots.
+        """
         h = self.holders.pop(master_id, None)
         if h is None or not self.strict:
             return
@@ -98,8 +103,9 @@ class Handover:
         old = self.orphans.get(master_id)
         if old is not None:
             slots = max(slots, old.slots)
+            not_before = max(not_before, old.not_before)
         if slots > 0:
-            self.orphans[master_id] = Orphan(slots, now, epoch)
+            self.orphans[master_id] = Orphan(slots, now, epoch, not_before)
 
     # -- inputs -------------------------------------------------------------------------------
     def ack(self, master_id: str, applied_epoch: int, active: int, wanted: int) -> None:

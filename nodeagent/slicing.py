@@ -157,6 +157,8 @@ class Slicer:
     _shares: dict[str, int] = field(default_factory=dict)
     _targets: dict[str, int] = field(default_factory=dict)
     _next_rebalance: float = 0.0
+    # When each master's stream was last seen up (now, while it is up).
+    _last_up: dict[str, float] = field(default_factory=dict)
     _ho: Handover = field(init=False)
 
     def __post_init__(self) -> None:
@@ -194,6 +196,7 @@ class Slicer:
         view = self.views.setdefault(master_id, MasterView())
         view.connected = True
         view.down_since = None
+        self._last_up[master_id] = now
         return self._recompute(now, time_ns)
 
     def stream_down(self, master_id: str, now: float, time_ns: int) -> bool:
@@ -203,6 +206,7 @@ class Slicer:
         if view.connected:
             view.connected = False
             view.down_since = now
+            self._last_up[master_id] = now
         if not view.in_etcd:
             del self.views[master_id]
         return self._recompute(now, time_ns)
@@ -311,10 +315,17 @@ class Slicer:
 
     def _recompute(self, now: float, time_ns: int, force: bool = False) -> bool:
         members = self.members(now)
+        for mid, view in self.views.items():
+            if view.connected:
+                self._last_up[mid] = now
         membership = members != self._members or not self.epoch
         if membership:
             for mid in set(self._members) - set(members):
-                self._ho.exclude(mid, now, self.epoch)
+                # A master that left by its etcd key while its stream was up (or only just went
+                # down) may not have noticed yet: its keep-alive needs up to a grace period.
+                last_up = self._last_up.get(mid)
+                not_before = last_up + self.grace_s if last_up is not None else now
+                self._ho.exclude(mid, now, self.epoch, not_before)
             for mid in members:
                 self._ho.include(mid)
         self._ho.expire(now, members)

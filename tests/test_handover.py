@@ -234,3 +234,15 @@ def test_a_failing_probe_falls_back_to_acks_for_the_startup_reservation() -> Non
     assert s.share_for("a") == 0  # the probe has not answered yet
     assert s.on_probe(None, 0.2, 0.3, 3)
     assert s.share_for("a") == 4
+
+
+def test_a_master_gone_from_etcd_with_its_stream_up_keeps_its_slots_for_a_grace() -> None:
+    s = started(8, ["a", "b"])
+    s.on_ack("b", s.epoch, 0, 0, 2.0, 10)
+    # b's key is gone while its stream is still up: b may not know yet that it lost this node.
+    assert s.set_masters(["a"], 2.0, 11)
+    assert s.snapshot()["orphans"] == {"b": 4}
+    assert not s.on_probe(0, 2.5, 2.6, 12)  # an idle engine proves nothing before b noticed
+    assert s.share_for("a") == 4
+    assert s.on_probe(0, 3.0, 3.1, 13)
+    assert dict(s.shares) == {"a": 8}
