@@ -41,6 +41,13 @@ def scrape_metrics(url: str, timeout: float = 3.0) -> dict[str, float]:
     return out
 
 
+def _ready(url: str) -> bool:
+    try:
+        return bool(http_json(url + "/readiness", timeout=1.0).get("ready"))
+    except (OSError, ValueError):
+        return False
+
+
 def _flags(extra: dict[str, object] | None) -> list[str]:
     out: list[str] = []
     for key, value in (extra or {}).items():
@@ -152,6 +159,29 @@ class LocalCluster:
         self.masters[master_id] = master
         return master
 
+    def start_master_when_free(self, master_id: str, timeout: float = 15.0) -> float:
+        """(Re)start a master, retrying while etcd still holds the lease of a killed predecessor.
+
+        The master binds HTTP before it registers, so a refused start may look healthy for a moment:
+        only ``/readiness`` on a live process counts. Returns the seconds it took.
+        """
+        start = time.monotonic()
+        while True:
+            try:
+                m = (
+                    self.restart_master(master_id)
+                    if master_id in self.masters
+                    else self.start_master(master_id)
+                )
+                self.wait_for(lambda m=m: not m.proc.alive or _ready(m.url), timeout=10)  # type: ignore[misc]
+                if m.proc.alive:
+                    return time.monotonic() - start
+            except ProcessError:
+                pass
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(f"master {master_id} could not be restarted within {timeout}s")
+            time.sleep(0.3)
+
     def restart_master(self, master_id: str) -> Master:
         old = self.masters[master_id]
         return self.start_master(master_id, **old.extra)
@@ -244,9 +274,16 @@ class LocalCluster:
             time.sleep(interval)
 
     def full_capacity_held(self, masters: Iterable[str], capacities: dict[str, int]) -> bool:
-        """Every node's capacity is split among exactly ``masters`` and sums to its capacity."""
+        """Every node's capacity is split among exactly ``masters`` and each of them holds some of it.
+
+        With strict handover (grants never exceed the split's targets) a full sum means every master
+        holds exactly its target; "each holds some" keeps a master that has not joined yet from
+        passing the check while the others still hold everything.
+        """
         table = self.share_table()
         names = list(masters)
         if any(m not in table for m in names):
+            return False
+        if any(sum(table[m].values()) == 0 for m in names):
             return False
         return all(sum(table[m].get(node, 0) for m in names) == cap for node, cap in capacities.items())

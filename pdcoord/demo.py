@@ -112,8 +112,9 @@ class Demo:
             if killed and not restarted and el >= 0.6 * duration:
                 restarted = True
                 self.say(f"\n[{el:5.1f}s] restarting master m2")
-                c.restart_master("m2")
                 try:
+                    # The killed m2's lease lives for its TTL: a new m2 is refused until it expires.
+                    c.start_master_when_free("m2")
                     self.rejoin_s = c.wait_for(lambda: c.full_capacity_held(["m1", "m2"], caps), 15, 0.02)
                 except TimeoutError:
                     self.problems.append("m2 did not get its share back within 15 s")

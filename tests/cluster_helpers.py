@@ -316,29 +316,8 @@ def wait_no_leases(cluster: LocalCluster, timeout: float = 10.0) -> dict[str, ob
 
 
 def start_master_retrying(cluster: LocalCluster, master_id: str, timeout: float = 15.0) -> float:
-    """(Re)start a master, retrying while etcd still holds the lease of its killed predecessor.
-
-    The master binds HTTP before it registers, so a refused start may look healthy for a moment:
-    only /readiness on a live process counts. Returns the seconds it took.
-    """
-    from pdcoord.launcher import ProcessError
-
-    start = time.monotonic()
-    while True:
-        try:
-            m = (
-                cluster.restart_master(master_id)
-                if master_id in cluster.masters
-                else cluster.start_master(master_id)
-            )
-            cluster.wait_for(lambda m=m: not m.proc.alive or ready(m.url), timeout=10)  # type: ignore[misc]
-            if m.proc.alive:
-                return time.monotonic() - start
-        except ProcessError:
-            pass
-        if time.monotonic() - start > timeout:
-            raise TimeoutError(f"master {master_id} could not be restarted within {timeout}s")
-        time.sleep(0.3)
+    """(Re)start a master once etcd no longer holds a killed predecessor's lease (seconds taken)."""
+    return cluster.start_master_when_free(master_id, timeout)
 
 
 def expected_share_table(masters: Iterable[str], caps: dict[str, int]) -> dict[str, dict[str, int]]:
