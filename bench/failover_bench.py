@@ -100,7 +100,8 @@ def run_mode(mode: str, trials: int, concurrency: int, log_dir: str) -> dict[str
             new = f"m{next_id}"
             next_id += 1
             c.start_master(new)
-            live = [survivor, new] if t % 2 == 0 else [new, survivor]
+            # survivor first: the next trial (odd/even) kills the newcomer, then the veteran
+            live = [survivor, new]
             c.wait_for(lambda lv=list(live): c.full_capacity_held(lv, caps), timeout=30)
     return {
         "trials": len(times),
@@ -155,7 +156,9 @@ def plot(results: dict[str, Any]) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 2.6), dpi=80)
     names = list(results)
-    ax.boxplot([results[n]["seconds"] for n in names], vert=False, labels=names)
+    ax.boxplot([results[n]["seconds"] for n in names], vert=False)
+    ax.set_yticks(range(1, len(names) + 1), names)
+    ax.set_xlim(left=0)
     ax.set_xlabel("seconds from SIGKILL until the survivor holds all capacity")
     fig.tight_layout()
     fig.savefig(RESULTS / "failover.png")

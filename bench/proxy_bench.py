@@ -7,6 +7,8 @@ process. Contenders, interleaved in a rotating order inside every repetition:
 * ``direct``: the load generator does the router's work itself (fresh bootstrap_room, the same body
   to P and D at once, stream from D): the floor any PD router is measured against.
 * ``pdmaster``: one master with etcd and two node agents (one per engine) holding the full shares.
+* ``pdmaster-asyncio``: the same master on the stock asyncio event loop (``--event-loop asyncio``)
+  instead of uvloop, to show what the loop alone is worth.
 * ``sglang-router``: ``sglang_router.launch_router --pd-disaggregation`` (installed by this script
   into bench/.venv-sglang-router), default policies.
 
@@ -122,7 +124,7 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=8.0, help="measured seconds per run")
     p.add_argument("--warmup", type=float, default=1.5)
     p.add_argument("--tokens", type=int, default=20)
-    p.add_argument("--contenders", default="direct,pdmaster,sglang-router")
+    p.add_argument("--contenders", default="direct,pdmaster,pdmaster-asyncio,sglang-router")
     p.add_argument(
         "--profile", action="store_true", help="py-spy pdmaster during one extra run at the top load"
     )
@@ -171,6 +173,18 @@ def main() -> None:
             else:
                 urls["sglang-router"] = ["--url", url]
                 router_pid["sglang-router"] = pid
+        if "pdmaster-asyncio" in contenders:
+            # The same master on the stock asyncio loop, in a cluster of its own (agents "ap1"/"ad1"
+            # on the same engines), so it holds the full capacity too: isolates the loop's share.
+            c2 = LocalCluster(group, etcd.endpoint, "proxybench-asyncio")
+            m2 = c2.start_master("a1", event_loop="asyncio")
+            for node, eng in (("ap1", pre), ("ad1", dec)):
+                c2.start_agent(
+                    node, eng.role, endpoint=eng.url, capacity=CAPACITY, bootstrap_port=eng.bootstrap_port
+                )
+            c2.wait_for(lambda: c2.full_capacity_held(["a1"], {"ap1": CAPACITY, "ad1": CAPACITY}), timeout=30)
+            urls["pdmaster-asyncio"] = ["--url", m2.url]
+            router_pid["pdmaster-asyncio"] = m2.proc.pid
         engines = {"prefill": pre.proc.pid, "decode": dec.proc.pid}
         print(f"cluster up; logs in {log_dir}; contenders {contenders}", flush=True)
 
@@ -291,6 +305,11 @@ def summarise(runs: list[dict[str, Any]], concs: list[int], contenders: list[str
         if "direct" in contenders and "pdmaster" in contenders:
             ratios["pdmaster_minus_direct_ttft_p50_ms"] = diff_ms("pdmaster", "direct")
             ratios["pdmaster_over_direct_rps"] = same_rep("pdmaster", "direct", lambda r: r["rps"])
+        if "pdmaster-asyncio" in contenders and "pdmaster" in contenders:
+            ratios["uvloop_over_asyncio_cpu_per_req"] = same_rep(
+                "pdmaster", "pdmaster-asyncio", lambda r: r["cpu_ms_per_request"].get("router")
+            )
+            ratios["uvloop_over_asyncio_rps"] = same_rep("pdmaster", "pdmaster-asyncio", lambda r: r["rps"])
         if "sglang-router" in contenders and "pdmaster" in contenders:
             ratios["pdmaster_over_sglang_rps"] = same_rep("pdmaster", "sglang-router", lambda r: r["rps"])
             ratios["pdmaster_over_sglang_cpu_per_req"] = same_rep(
