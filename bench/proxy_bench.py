@@ -18,6 +18,7 @@ Writes bench/results/proxy.json and bench/results/proxy.png.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -130,7 +131,14 @@ def main() -> None:
     )
     p.add_argument("--out", default="proxy.json")
     p.add_argument("--log-dir", default=None)
+    p.add_argument("--replot", action="store_true", help="only redraw the PNG from the --out JSON")
     args = p.parse_args()
+    if args.replot:
+        saved = json.loads((RESULTS / args.out).read_text())
+        cfg = saved["config"]
+        png = RESULTS / (Path(args.out).stem + ".png")
+        plot(saved["summary"], cfg["concurrency"], cfg["contenders"], png)
+        return
     concs = [int(x) for x in args.concurrency.split(",")]
     contenders = args.contenders.split(",")
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdcoord-proxybench-")
@@ -358,6 +366,8 @@ def plot(summary: dict[str, Any], concs: list[int], contenders: list[str], path:
         ax.set_xticks([j + width * (len(contenders) - 1) / 2 for j in range(len(concs))])
         ax.set_xticklabels([f"c={c}" for c in concs])
         ax.set_title(title, fontsize=10)
+        if key == "ttft_p50_ms":
+            ax.set_yscale("log")  # c=1 (ms) and c=200 (hundreds of ms) on one axis
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
