@@ -19,6 +19,7 @@ import json
 import sys
 import tempfile
 import threading
+import time
 import urllib.request
 from typing import Any
 
@@ -52,6 +53,7 @@ class Sampler(threading.Thread):
         self.interval = interval
         self.stop = threading.Event()
         self.sums: list[int] = []
+        self.times: list[float] = []
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -63,7 +65,14 @@ class Sampler(threading.Thread):
             except OSError:
                 continue
             self.sums.append(total)
+            self.times.append(time.monotonic())
             self.stop.wait(self.interval)
+
+
+def steady_mean(sampler: Sampler, t0: float, t1: float) -> float | None:
+    """Mean Σ active over [t0, t1]: past the load generator's start-up and warm-up, before its tail."""
+    vals = [v for t, v in zip(sampler.times, sampler.sums, strict=True) if t0 <= t <= t1]
+    return round(sum(vals) / len(vals), 2) if vals else None
 
 
 def main() -> None:
@@ -101,6 +110,7 @@ def main() -> None:
                 before = {m.master_id: ok_requests(m) for m in masters}
                 sampler = Sampler(masters)
                 sampler.start()
+                started = time.monotonic()
                 res = run_loadgen(
                     [
                         "--url",
@@ -125,14 +135,16 @@ def main() -> None:
                     "error_samples": res["error_samples"],
                     "per_master_rps": {m: round(v, 1) for m, v in per_master.items()},
                     "max_sum_active": max(sampler.sums) if sampler.sums else None,
+                    "mean_sum_active": steady_mean(sampler, started + 3.0, time.monotonic() - 1.0),
                     "samples": len(sampler.sums),
-                    "ttft_ms": res["ttft_ms"], "e2e_ms": res["e2e_ms"],
+                    "ttft_ms": res["ttft_ms"], "e2e_ms": res["e2e_ms"], "window_s": res["wall_s"],
                     "master_cpu_s": res["cpu_s"], "loadgen_cpu_s": res["loadgen_cpu_s"],
                 }  # fmt: skip
                 runs.append(run)
                 print(
                     f"rep {rep} masters={k} rps {res['rps']:7.1f} per-master {run['per_master_rps']} "
-                    f"max Σactive {run['max_sum_active']}/{DECODE_CAPACITY} ({run['samples']} samples) "
+                    f"Σactive max {run['max_sum_active']} mean {run['mean_sum_active']}/{DECODE_CAPACITY} "
+                    f"({run['samples']} samples) "
                     f"errors {res['errors']}",
                     flush=True,
                 )
@@ -143,6 +155,8 @@ def main() -> None:
             "rps": median([r["rps"] for r in rs]),
             "per_master_rps": median([r["rps"] / k for r in rs]),
             "max_sum_active": max(r["max_sum_active"] or 0 for r in rs),
+            "mean_sum_active": median([r["mean_sum_active"] for r in rs]),
+            "rejected_per_s": median([r["errors"] / r["window_s"] for r in rs]),
             "samples": sum(r["samples"] for r in rs),
             "ttft_p50_ms": median([r["ttft_ms"]["p50"] for r in rs]),
             "e2e_p50_ms": median([r["e2e_ms"]["p50"] for r in rs]),
@@ -170,11 +184,15 @@ def main() -> None:
     path = write_json("scale.json", data)
     print(f"wrote {path}")
     print(f"max Σ active leases seen: {max_seen} (fleet decode capacity {DECODE_CAPACITY})")
-    print("| masters | req/s | per master req/s | max Σ active | samples | TTFT p50 ms | e2e p50 ms |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| masters | req/s | per master req/s | Σ active max / mean | samples | 429/s "
+        "| TTFT p50 ms | e2e p50 ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for k, s in summary.items():
         print(
-            f"| {k} | {s['rps']:.1f} | {s['per_master_rps']:.1f} | {s['max_sum_active']} | {s['samples']} | "
+            f"| {k} | {s['rps']:.1f} | {s['per_master_rps']:.1f} | {s['max_sum_active']} / "
+            f"{s['mean_sum_active'] or 0:.1f} | {s['samples']} | {s['rejected_per_s']:.1f} | "
             f"{s['ttft_p50_ms']:.1f} | {s['e2e_p50_ms']:.1f} |"
         )
     plot(summary)
