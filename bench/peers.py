@@ -95,6 +95,15 @@ def environment() -> dict[str, Any]:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
+    # results/ itself changes while benchmarks run: only code changes make the tree dirty
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", ".", ":!bench/results"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if dirty:
+        commit += "-dirty"
     return {
         "cpus": os.cpu_count(),
         "cpu_model": model,
