@@ -156,8 +156,13 @@ def plot(results: dict[str, Any]) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 2.6), dpi=80)
     names = list(results)
-    ax.boxplot([results[n]["seconds"] for n in names], vert=False)
+    for i, n in enumerate(names, start=1):
+        secs = results[n]["seconds"]
+        ax.plot(secs, [i] * len(secs), "|", markersize=14, label="trials" if i == 1 else None)
+        ax.plot([results[n]["p50_s"]], [i], "o", color="black", label="p50" if i == 1 else None)
     ax.set_yticks(range(1, len(names) + 1), names)
+    ax.set_ylim(0.5, len(names) + 0.5)
+    ax.legend(fontsize=8, loc="lower right")
     ax.set_xlim(left=0)
     ax.set_xlabel("seconds from SIGKILL until the survivor holds all capacity")
     fig.tight_layout()
