@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo lint proto proto-check bench helm clean
+.PHONY: venv test demo lint proto proto-check bench bench-peers helm clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,6 +41,14 @@ bench: $(STAMP)
 	$(BIN)/python bench/admission_bench.py
 	$(BIN)/python bench/admission_sim.py
 	$(BIN)/python bench/handover_bench.py
+
+## Benchmarks against peers: router overhead (direct / pdmaster / sglang-router), failover time,
+## multi-master scaling (about 20 min; installs the bench extra and sglang-router's own venv).
+bench-peers: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	$(BIN)/python bench/proxy_bench.py
+	$(BIN)/python bench/failover_bench.py
+	$(BIN)/python bench/scale_bench.py
 
 ## Fetch helm (for the chart tests) into the virtual environment.
 helm: $(STAMP)

@@ -67,6 +67,31 @@ class RequestMetrics:
         self.classes = Counter(
             "pdcoord_requests_classified", "Requests by admission class", ["class"], registry=registry
         )
+        self._per_endpoint: dict[str, _EndpointMetrics] = {}
+        self._per_class: dict[str, Any] = {}
+
+    def endpoint(self, endpoint: str) -> _EndpointMetrics:
+        """The children of one route, looked up once: labels() costs a lock and a dict per call."""
+        em = self._per_endpoint.get(endpoint)
+        if em is None:
+            em = self._per_endpoint[endpoint] = _EndpointMetrics(self, endpoint)
+        return em
+
+    def classified(self, name: str) -> None:
+        child = self._per_class.get(name)
+        if child is None:
+            child = self._per_class[name] = self.classes.labels(**{"class": name})
+        child.inc()
+
+
+class _EndpointMetrics:
+    __slots__ = ("duration", "ok", "tokens", "ttft")
+
+    def __init__(self, m: RequestMetrics, endpoint: str) -> None:
+        self.ok = m.requests.labels(endpoint=endpoint, status="200")
+        self.ttft = m.ttft.labels(endpoint=endpoint)
+        self.duration = m.duration.labels(endpoint=endpoint)
+        self.tokens = m.tokens.labels(endpoint=endpoint)
 
 
 def _sse_error(message: str, type_: str = "upstream_error", code: str = "upstream_failed") -> bytes:
@@ -196,7 +221,7 @@ class DataPlane:
         hashes = self.index.hashes(parsed.input_ids if parsed.input_ids is not None else parsed.prompt_text)
         estimate = self.index.estimate(hashes)
         klass = self.admission.classify(session_id, estimate.hit_ratio)
-        self.metrics.classes.labels(**{"class": klass.name.lower()}).inc()
+        self.metrics.classified(klass.name.lower())
 
         self.inflight += 1
         self.idle.clear()
@@ -218,7 +243,7 @@ class DataPlane:
                     "X-Prefill-Node": prefill.node_id,
                 }
                 return await self._dispatch(
-                    request, endpoint, parsed, prefill, decode, session_id, tags, arrived
+                    request, endpoint, parsed, raw, prefill, decode, session_id, tags, arrived
                 )
         except AdmissionRejected as exc:
             return self._error(endpoint, exc.status, exc.message, code=exc.code, retry_after=exc.retry_after)
@@ -226,13 +251,14 @@ class DataPlane:
             self.inflight -= 1
             if self.inflight == 0:
                 self.idle.set()
-            self.metrics.duration.labels(endpoint=endpoint).observe(time.perf_counter() - arrived)
+            self.metrics.endpoint(endpoint).duration.observe(time.perf_counter() - arrived)
 
     async def _dispatch(
         self,
         request: web.Request,
         endpoint: str,
         parsed: ParsedRequest,
+        raw: bytes,
         prefill: Node,
         decode: Node,
         session_id: str | None,
@@ -251,6 +277,7 @@ class DataPlane:
                 Target(prefill.node_id, prefill.endpoint, int(bport) if bport and bport.isdigit() else None),
                 Target(decode.node_id, decode.endpoint),
                 headers,
+                raw,
             )
         except UpstreamError as exc:
             return self._error(
@@ -262,9 +289,10 @@ class DataPlane:
             if parsed.stream:
                 return await self._relay_stream(request, endpoint, upstream, session_id, tags, arrived)
             body = await upstream.read()
-            self.metrics.ttft.labels(endpoint=endpoint).observe(time.perf_counter() - arrived)
+            em = self.metrics.endpoint(endpoint)
+            em.ttft.observe(time.perf_counter() - arrived)
             self._output_seen(session_id)
-            self.metrics.requests.labels(endpoint=endpoint, status="200").inc()
+            em.ok.inc()
             return web.Response(body=body, content_type="application/json", headers=tags)
         except (aiohttp.ClientError, TimeoutError) as exc:
             return self._error(
@@ -289,20 +317,21 @@ class DataPlane:
             status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **tags}
         )
         await resp.prepare(request)
+        em = self.metrics.endpoint(endpoint)
         first = True
         events = 0
         try:
             async for chunk in upstream.chunks():
                 if first:
                     first = False
-                    self.metrics.ttft.labels(endpoint=endpoint).observe(time.perf_counter() - arrived)
+                    em.ttft.observe(time.perf_counter() - arrived)
                     self._output_seen(session_id)
                 events += chunk.count(b"data:")
                 await resp.write(chunk)
         except (aiohttp.ClientError, TimeoutError) as exc:
             # Headers are gone already: the error becomes an SSE event and the stream ends.
             await resp.write(_sse_error(f"decode stream failed: {exc}"))
-        self.metrics.tokens.labels(endpoint=endpoint).inc(events)
-        self.metrics.requests.labels(endpoint=endpoint, status="200").inc()
+        em.tokens.inc(events)
+        em.ok.inc()
         await resp.write_eof()
         return resp

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import random
 from collections.abc import AsyncIterator
@@ -70,6 +71,32 @@ async def _check(resp: aiohttp.ClientResponse, who: str) -> None:
     )
 
 
+@functools.lru_cache(maxsize=1024)
+def _hostname(endpoint: str) -> str:
+    return urlsplit(endpoint).hostname or "127.0.0.1"
+
+
+def with_bootstrap(raw: bytes | None, body: dict[str, Any], host: str, port: int, room: int) -> bytes:
+    """The request for P and D: the client's JSON plus bootstrap_host/port/room.
+
+    When the client's own bytes end in ``}`` and carry no bootstrap field, the three fields are
+    appended to them: re-encoding the whole body with ``json.dumps`` is a visible share of the
+    master's CPU per request. Otherwise the parsed body is encoded afresh.
+    """
+    if raw is not None and b"bootstrap_" not in raw:
+        head = raw.rstrip()
+        if head.endswith(b"}"):
+            fields = (
+                f'"bootstrap_host":{json.dumps(host)},"bootstrap_port":{int(port)},"bootstrap_room":{room}}}'
+            )
+            return head[:-1] + (b"," if body else b"") + fields.encode()
+    routed = dict(body)
+    routed["bootstrap_host"] = host
+    routed["bootstrap_port"] = port
+    routed["bootstrap_room"] = room
+    return json.dumps(routed).encode()
+
+
 class Dispatcher:
     def __init__(self, protocol: str, session: aiohttp.ClientSession, *, timeout_s: float = 600.0) -> None:
         if protocol not in ("sglang", "vllm"):
@@ -79,11 +106,18 @@ class Dispatcher:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
 
     async def open(
-        self, path: str, body: dict[str, Any], prefill: Target, decode: Target, headers: dict[str, str]
+        self,
+        path: str,
+        body: dict[str, Any],
+        prefill: Target,
+        decode: Target,
+        headers: dict[str, str],
+        raw: bytes | None = None,
     ) -> UpstreamResponse:
+        """``raw``: the client's JSON text of ``body``, reused (not re-encoded) when possible."""
         try:
             if self.protocol == "sglang":
-                return await self._sglang(path, body, prefill, decode, headers)
+                return await self._sglang(path, body, prefill, decode, headers, raw)
             return await self._vllm(path, body, prefill, decode, headers)
         except aiohttp.ClientError as exc:
             raise UpstreamError(502, f"engine unreachable: {exc}") from exc
@@ -91,16 +125,23 @@ class Dispatcher:
             raise UpstreamError(504, "engine timed out") from exc
 
     async def _sglang(
-        self, path: str, body: dict[str, Any], prefill: Target, decode: Target, headers: dict[str, str]
+        self,
+        path: str,
+        body: dict[str, Any],
+        prefill: Target,
+        decode: Target,
+        headers: dict[str, str],
+        raw: bytes | None = None,
     ) -> UpstreamResponse:
         if prefill.bootstrap_port is None:
             raise UpstreamError(503, f"prefill node {prefill.node_id} registered no bootstrap_port")
-        routed = dict(body)
-        routed["bootstrap_host"] = urlsplit(prefill.endpoint).hostname or "127.0.0.1"
-        routed["bootstrap_port"] = prefill.bootstrap_port
-        routed["bootstrap_room"] = random.getrandbits(63)
-        data = json.dumps(routed).encode()
-        prefill_failed: asyncio.Future[UpstreamError] = asyncio.get_running_loop().create_future()
+        data = with_bootstrap(
+            raw, body, _hostname(prefill.endpoint), prefill.bootstrap_port, random.getrandbits(63)
+        )
+        decode_req = asyncio.ensure_future(
+            self.session.post(decode.endpoint + path, data=data, headers=headers, timeout=self.timeout)
+        )
+        failure: list[UpstreamError] = []
 
         async def run_prefill() -> None:
             try:
@@ -109,26 +150,30 @@ class Dispatcher:
                 ) as resp:
                     await _check(resp, f"prefill {prefill.node_id}")
                     await resp.read()
+                return
             except UpstreamError as exc:
-                if not prefill_failed.done():
-                    prefill_failed.set_result(exc)
+                failure.append(exc)
             except (aiohttp.ClientError, TimeoutError) as exc:
-                if not prefill_failed.done():
-                    prefill_failed.set_result(UpstreamError(502, f"prefill {prefill.node_id} failed: {exc}"))
+                failure.append(UpstreamError(502, f"prefill {prefill.node_id} failed: {exc}"))
+            # D would wait for a KV transfer that never comes: stop waiting for its headers
+            # (a no-op when D has answered already).
+            decode_req.cancel()
 
         prefill_task = asyncio.create_task(run_prefill())
-        decode_req = asyncio.ensure_future(
-            self.session.post(decode.endpoint + path, data=data, headers=headers, timeout=self.timeout)
-        )
-        waiting: set[asyncio.Future[Any]] = {decode_req, prefill_failed}
-        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        if prefill_failed in done:
-            decode_req.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                (await decode_req).close()
-            raise prefill_failed.result()
+        # Awaiting D directly (no asyncio.wait over two futures) keeps the per-request cost low;
+        # a prefill failure reaches us as the cancellation of D's request.
         try:
-            resp = decode_req.result()
+            resp = await decode_req
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if failure and me is not None and not me.cancelling():
+                raise failure[0] from None
+            prefill_task.cancel()
+            raise
+        except BaseException:
+            prefill_task.cancel()
+            raise
+        try:
             await _check(resp, f"decode {decode.node_id}")
         except BaseException:
             prefill_task.cancel()

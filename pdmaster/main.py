@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdcoord.config import (
     EnvArgumentParser,
@@ -136,10 +136,30 @@ def build_parser() -> EnvArgumentParser:
         help="how the prefill node is chosen (round-robin is for comparison)",
     )
     g.add_argument("--model", default=None, help="model name served; requests naming another get 404")
+    g.add_argument(
+        "--event-loop",
+        choices=["auto", "uvloop", "asyncio"],
+        default="auto",
+        help="event loop implementation; auto = uvloop when installed (it cuts the proxy's CPU per request)",
+    )
     add_etcd_security_flags(p)
     add_admission_flags(p)
     add_common_flags(p)
     return p
+
+
+def _loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    if kind == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if kind == "uvloop":
+            print("pdmaster: error: --event-loop uvloop: uvloop is not installed", file=sys.stderr)
+            sys.exit(2)
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -151,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     try:
         server = MasterServer(args)
-        asyncio.run(server.serve_forever())
+        with asyncio.Runner(loop_factory=_loop_factory(args.event_loop)) as runner:
+            runner.run(server.serve_forever())
     except (StartupError, TLSConfigError) as exc:
         print(f"pdmaster: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -1,0 +1,123 @@
+"""The SGLang dispatch path in-process: body splicing, prefill failure while D waits, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from pdmaster.dispatch import Dispatcher, Target, UpstreamError, with_bootstrap
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"{}", b'{"prompt": "a}b", "max_tokens": 3}  \n', b' {"n": 1}', b'{"bootstrap_room": 7, "x": 1}'],
+)
+def test_with_bootstrap_keeps_the_body_and_sets_the_three_fields(raw: bytes) -> None:
+    body = json.loads(raw)
+    out = json.loads(with_bootstrap(raw, body, "10.0.0.7", 9000, 42))
+    assert out == {**body, "bootstrap_host": "10.0.0.7", "bootstrap_port": 9000, "bootstrap_room": 42}
+
+
+def test_with_bootstrap_without_raw_encodes_the_body() -> None:
+    out = json.loads(with_bootstrap(None, {"a": [1, 2]}, "h", 1, 2))
+    assert out == {"a": [1, 2], "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 2}
+
+
+class Engines:
+    def __init__(self) -> None:
+        self.prefill_status = 200
+        self.prefill_delay = 0.05
+        self.decode_started = asyncio.Event()
+        self.decode_cancelled = asyncio.Event()
+        self.bodies: list[dict[str, object]] = []
+
+    async def prefill(self, request: web.Request) -> web.Response:
+        self.bodies.append(await request.json())
+        await asyncio.sleep(self.prefill_delay)
+        return web.json_response({"ok": True}, status=self.prefill_status)
+
+    async def decode(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        self.decode_started.set()
+        if self.prefill_status != 200:
+            try:
+                await asyncio.sleep(30)  # waits for a KV transfer that never comes
+            except asyncio.CancelledError:
+                self.decode_cancelled.set()
+                raise
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: {}\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[tuple[Engines, str]]:
+    eng = Engines()
+    app = web.Application()
+    app.router.add_post("/p/v1/completions", eng.prefill)
+    app.router.add_post("/d/v1/completions", eng.decode)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    yield eng, f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+async def test_sglang_dispatch_streams_from_decode(engines: tuple[Engines, str]) -> None:
+    eng, base = engines
+    raw = b'{"prompt": "hi", "stream": true}'
+    async with aiohttp.ClientSession() as session:
+        d = Dispatcher("sglang", session)
+        up = await d.open(
+            "/v1/completions", json.loads(raw), Target("p", base + "/p", 9), Target("d", base + "/d"), {}, raw
+        )
+        body = b"".join([c async for c in up.chunks()])
+        await up.close()
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert len(eng.bodies) == 2 and eng.bodies[0] == eng.bodies[1]
+    assert eng.bodies[0]["bootstrap_port"] == 9 and eng.bodies[0]["bootstrap_host"] == "127.0.0.1"
+
+
+async def test_prefill_failure_ends_the_wait_for_decode(engines: tuple[Engines, str]) -> None:
+    eng, base = engines
+    eng.prefill_status = 500
+    async with aiohttp.ClientSession() as session:
+        d = Dispatcher("sglang", session)
+        with pytest.raises(UpstreamError) as info:
+            async with asyncio.timeout(5):
+                await d.open(
+                    "/v1/completions",
+                    {"prompt": "x"},
+                    Target("p", base + "/p", 9),
+                    Target("d", base + "/d"),
+                    {},
+                )
+    assert info.value.status == 502 and "prefill p" in info.value.message
+    await asyncio.wait_for(eng.decode_cancelled.wait(), 5)
+
+
+async def test_cancelling_the_caller_cancels_both_sides(engines: tuple[Engines, str]) -> None:
+    eng, base = engines
+    eng.prefill_status = 500  # D waits for KV
+    eng.prefill_delay = 30
+    async with aiohttp.ClientSession() as session:
+        d = Dispatcher("sglang", session)
+        task = asyncio.create_task(
+            d.open(
+                "/v1/completions", {"prompt": "x"}, Target("p", base + "/p", 9), Target("d", base + "/d"), {}
+            )
+        )
+        await asyncio.wait_for(eng.decode_started.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    await asyncio.wait_for(eng.decode_cancelled.wait(), 5)
