@@ -10,6 +10,8 @@ Two agent configurations, each in its own cluster:
 
 * ``stream``: production defaults (``--grace 1``): an agent drops a master whose gRPC stream has
   been down for 1 s, so the share moves as soon as the stream breaks plus the grace.
+* ``stream-fast``: the same with ``--handover fast``: the dead master's slots move at once instead
+  of waiting for an engine sample that shows its requests ended (strict handover, the default).
 * ``lease-only``: ``--grace 1000000``: stream-based exclusion is off in effect; the share moves
   only when the dead master's etcd key goes away with its lease (TTL 5 s).
 
@@ -33,7 +35,7 @@ from pdcoord.etcd_server import LocalEtcd
 from pdcoord.launcher import ProcessGroup
 
 FLEET = {"p1": ("prefill", 64), "d1": ("decode", 32), "d2": ("decode", 32)}
-MODES = {"stream": {}, "lease-only": {"grace": 1_000_000}}
+MODES = {"stream": {}, "stream-fast": {"handover": "fast"}, "lease-only": {"grace": 1_000_000}}
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -117,7 +119,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--concurrency", type=int, default=16, help="load generator concurrency")
-    p.add_argument("--modes", default="stream,lease-only")
+    p.add_argument("--modes", default="stream,stream-fast,lease-only")
     p.add_argument("--log-dir", default=None)
     args = p.parse_args()
     log_root = args.log_dir or tempfile.mkdtemp(prefix="pdcoord-failover-")
@@ -132,7 +134,7 @@ def main() -> None:
             "fleet": {n: {"role": r, "capacity": cap} for n, (r, cap) in FLEET.items()},
             "masters": 2,
             "lease_ttl_s": 5,
-            "agent_grace_s": {"stream": 1.0, "lease-only": 1_000_000},
+            "agent_flags": MODES,
             "load_concurrency": args.concurrency,
             "poll_interval_s": 0.01,
         },

@@ -82,7 +82,7 @@ class Handover:
         self.orphans: dict[str, Orphan] = {}
         if strict:
             # Masters still attached to the previous incarnation keep their shares until they notice
-            # its streams are gone, which their keep-alive does within the grace period.
+            # its streams are gone, which their keep-alive does within ``startup_wait_s``.
             self.orphans[STARTUP] = Orphan(capacity, now, 0, now + startup_wait_s)
 
     # -- membership ---------------------------------------------------------------------------

@@ -149,6 +149,9 @@ class Slicer:
     hysteresis: int = 2
     max_step_frac: float = 0.25
     orphan_timeout_s: float = 30.0
+    # How long a master may take to notice that its stream to this agent is dead (its gRPC
+    # keep-alive: ~0.75 s); until then it may still place work here under its last share.
+    peer_detect_s: float = 1.0
     probe: bool = True
     now: float = 0.0
     epoch: int = 0
@@ -172,7 +175,7 @@ class Slicer:
             orphan_timeout_s=self.orphan_timeout_s,
             probe=self.probe,
             now=self.now,
-            startup_wait_s=self.grace_s,
+            startup_wait_s=self.peer_detect_s,
         )
 
     # -- inputs -------------------------------------------------------------------------------
@@ -322,9 +325,9 @@ class Slicer:
         if membership:
             for mid in set(self._members) - set(members):
                 # A master that left by its etcd key while its stream was up (or only just went
-                # down) may not have noticed yet: its keep-alive needs up to a grace period.
+                # down) may not have noticed yet that it lost this node.
                 last_up = self._last_up.get(mid)
-                not_before = last_up + self.grace_s if last_up is not None else now
+                not_before = last_up + self.peer_detect_s if last_up is not None else now
                 self._ho.exclude(mid, now, self.epoch, not_before)
             for mid in members:
                 self._ho.include(mid)

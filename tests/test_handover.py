@@ -15,7 +15,8 @@ ids = st.text(alphabet=string.ascii_lowercase, min_size=1, max_size=4)
 
 def started(capacity: int, masters: list[str], **kw: object) -> Slicer:
     """A strict slicer whose startup reservation has been released by an idle engine sample."""
-    s = Slicer(node_id="d1", capacity=capacity, grace_s=1.0, **kw)  # type: ignore[arg-type]
+    kw.setdefault("grace_s", 1.0)
+    s = Slicer(node_id="d1", capacity=capacity, **kw)  # type: ignore[arg-type]
     s.set_masters(masters, 0.0, 1)
     for m in masters:
         s.stream_up(m, 0.0, 2)
@@ -245,4 +246,15 @@ def test_a_master_gone_from_etcd_with_its_stream_up_keeps_its_slots_for_a_grace(
     assert not s.on_probe(0, 2.5, 2.6, 12)  # an idle engine proves nothing before b noticed
     assert s.share_for("a") == 4
     assert s.on_probe(0, 3.0, 3.1, 13)
+    assert dict(s.shares) == {"a": 8}
+
+
+def test_lease_expiry_of_a_long_dead_master_frees_its_slots_at_the_next_sample() -> None:
+    # Stream-based exclusion effectively off (huge grace): the key's expiry is what removes b.
+    s = started(8, ["a", "b"], grace_s=1e6)
+    s.on_ack("b", s.epoch, 4, 0, 2.0, 10)
+    s.stream_down("b", 2.0, 11)  # killed: its stream broke at once
+    assert s.share_for("a") == 4
+    s.set_masters(["a"], 7.0, 12)  # lease expired 5 s later
+    assert s.on_probe(0, 7.1, 7.2, 13)  # b's stream has been down for far longer than it needs to notice
     assert dict(s.shares) == {"a": 8}
