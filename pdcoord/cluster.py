@@ -159,6 +159,25 @@ class LocalCluster:
         self.masters[master_id] = master
         return master
 
+    def _start_on_free_ports(
+        self,
+        name: str,
+        build: Callable[[], tuple[list[str], str | None]],
+        env: dict[str, str] | None = None,
+    ) -> ManagedProcess:
+        """Start a process on ports ``build`` picks, picking again when one was taken meanwhile.
+
+        A port that was free a moment ago can be bound by another process before ours binds it.
+        """
+        for attempt in range(3):
+            argv, ready = build()
+            try:
+                return self.group.start(name, argv, env=env, ready=ready)
+            except ProcessError as exc:
+                if "address already in use" not in str(exc).lower() or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
     def start_master_when_free(self, master_id: str, timeout: float = 15.0) -> float:
         """(Re)start a master, retrying while etcd still holds the lease of a killed predecessor.
 
@@ -210,11 +229,14 @@ class LocalCluster:
             *([] if capacity is None else ["--running-max-req-size", str(capacity)]),
             *_flags(extra),
         ]  # fmt: skip
-        health = free_port()
-        argv += ["--health-host", "127.0.0.1", "--health-port", str(health)]
-        proc = self.group.start(
-            f"agent-{node_id}", argv, env=env, ready=f"http://127.0.0.1:{health}/health" if wait else None
-        )
+        ports: dict[str, int] = {}
+
+        def build() -> tuple[list[str], str | None]:
+            ports["health"] = free_port()
+            tail = ["--health-host", "127.0.0.1", "--health-port", str(ports["health"])]
+            return argv + tail, f"http://127.0.0.1:{ports['health']}/health" if wait else None
+
+        proc = self._start_on_free_ports(f"agent-{node_id}", build, env)
         agent = Agent(node_id, role, endpoint, capacity, proc, dict(extra))
         self.agents[node_id] = agent
         return agent
@@ -225,15 +247,19 @@ class LocalCluster:
 
     # -- engines ------------------------------------------------------------------------------
     def start_engine(self, name: str, role: str, capacity: int, *, fast: bool = True, **extra: Any) -> Engine:
-        port = free_port()
-        bootstrap = free_port()
-        argv = self._module("pdsim") + [
-            "--role", role, "--host", "127.0.0.1", "--port", str(port),
-            "--running-max-req-size", str(capacity), "--bootstrap-port", str(bootstrap),
-            *(["--fast"] if fast else []), *_flags(extra),
-        ]  # fmt: skip
-        proc = self.group.start(f"engine-{name}", argv, ready=f"http://127.0.0.1:{port}/health")
-        engine = Engine(name, role, port, bootstrap, capacity, proc)
+        ports: dict[str, int] = {}
+
+        def build() -> tuple[list[str], str | None]:
+            ports.update(port=free_port(), bootstrap=free_port())
+            argv = self._module("pdsim") + [
+                "--role", role, "--host", "127.0.0.1", "--port", str(ports["port"]),
+                "--running-max-req-size", str(capacity), "--bootstrap-port", str(ports["bootstrap"]),
+                *(["--fast"] if fast else []), *_flags(extra),
+            ]  # fmt: skip
+            return argv, f"http://127.0.0.1:{ports['port']}/health"
+
+        proc = self._start_on_free_ports(f"engine-{name}", build)
+        engine = Engine(name, role, ports["port"], ports["bootstrap"], capacity, proc)
         self.engines[name] = engine
         return engine
 

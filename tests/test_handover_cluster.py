@@ -85,7 +85,12 @@ def test_masters_join_leave_and_restart_in_a_loop(
     assert {a.split()[1] for a in log} >= {"leave", "join"}, log
     assert len(results) > 100
     assert not hangs, f"{len(hangs)} requests hung"
-    assert sum(r.ok for r in results) > 0.5 * len(results), summarize(results)
+    # Refusals (429 with Retry-After) come back at once and closed-loop users retry, so their count
+    # depends on the machine's speed; what matters is that work kept completing.
+    assert sum(r.ok for r in results) > 100, summarize(results)
+    assert all(r.ok or (r.status == 429 and r.retry_after) or r.status == 503 for r in results), summarize(
+        results
+    )
     live = [m for m in MASTERS if cluster.masters[m].proc.alive]
     assert wait_no_leases(cluster) == {m: (0, 0) for m in live}
     if mode == "strict":
