@@ -348,6 +348,7 @@ class NodeAgent:
             ack.wanted_slots,
             time.monotonic(),
             time.time_ns(),
+            ack.draining,
         )
 
     # -- control loop -------------------------------------------------------------------------

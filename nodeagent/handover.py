@@ -89,17 +89,20 @@ class Handover:
     def include(self, master_id: str) -> None:
         self.holders.setdefault(master_id, Holder())
 
-    def exclude(self, master_id: str, now: float, epoch: int, not_before: float = 0.0) -> None:
+    def exclude(
+        self, master_id: str, now: float, epoch: int, not_before: float = 0.0, draining: bool = False
+    ) -> None:
         """The master left the split; what it may still use stays reserved.
 
         ``not_before``: until then the master may not yet know that it lost this node (its stream
         was up until recently), so it may still place work here; no engine sample taken earlier
-        can release its slots.
+        can release its slots. ``draining``: the master said it drains with an empty queue, so it
+        will never run more than the leases it reported; its share no longer counts.
         """
         h = self.holders.pop(master_id, None)
         if h is None or not self.strict:
             return
-        slots = h.bound
+        slots = h.active if draining else h.bound
         old = self.orphans.get(master_id)
         if old is not None:
             slots = max(slots, old.slots)
@@ -108,13 +111,15 @@ class Handover:
             self.orphans[master_id] = Orphan(slots, now, epoch, not_before)
 
     # -- inputs -------------------------------------------------------------------------------
-    def ack(self, master_id: str, applied_epoch: int, active: int, wanted: int) -> None:
+    def ack(
+        self, master_id: str, applied_epoch: int, active: int, wanted: int, draining: bool = False
+    ) -> None:
         h = self.holders.get(master_id)
         if h is None:
             o = self.orphans.get(master_id)
             # Still talking after it left: once it applied a grant issued after it left (which was
-            # 0), only its running leases count.
-            if o is not None and applied_epoch > o.epoch:
+            # 0), or while it drains with nothing queued, only its running leases count.
+            if o is not None and (applied_epoch > o.epoch or (draining and wanted == 0)):
                 o.slots = min(o.slots, active)
                 if o.slots == 0:
                     del self.orphans[master_id]
@@ -131,8 +136,13 @@ class Handover:
         # A returning master reports the truth: what was reserved for it is now its bound.
         self.orphans.pop(master_id, None)
 
-    def probe(self, running: int | None, taken_at: float) -> None:
-        """An engine sample started at ``taken_at``; ``None`` when the probe failed."""
+    def probe(self, running: int | None, taken_at: float, reachable: Iterable[str] = ()) -> None:
+        """An engine sample started at ``taken_at``; ``None`` when the probe failed.
+
+        Orphans of masters still connected (``reachable``: a draining master finishing its last
+        leases) are left to their own Acks, which are exact; the engine's count cannot tell whose
+        requests are running, so it may only release the others, all together.
+        """
         self.probe_failing = running is None
         if running is None or not self.orphans:
             return
@@ -140,8 +150,10 @@ class Handover:
             return  # an orphan newer than the sample: the sample may predate its leases ending
         live = sum(h.active for h in self.holders.values())
         cap = max(0, running - live)
-        total = sum(o.slots for o in self.orphans.values())
-        for mid in sorted(self.orphans):
+        near = set(reachable)
+        candidates = sorted(m for m in self.orphans if m not in near)
+        total = sum(self.orphans[m].slots for m in candidates)
+        for mid in candidates:
             if total <= cap:
                 break
             o = self.orphans[mid]

@@ -162,6 +162,8 @@ class Slicer:
     _next_rebalance: float = 0.0
     # When each master's stream was last seen up (now, while it is up).
     _last_up: dict[str, float] = field(default_factory=dict)
+    # Masters whose last Ack said they drain with nothing queued: out of the split.
+    _draining: set[str] = field(default_factory=set)
     _ho: Handover = field(init=False)
 
     def __post_init__(self) -> None:
@@ -193,6 +195,7 @@ class Slicer:
                 view.in_etcd = False
                 if not view.connected:
                     del self.views[mid]
+        self._draining &= set(self.views)
         return self._recompute(now, time_ns)
 
     def stream_up(self, master_id: str, now: float, time_ns: int) -> bool:
@@ -200,6 +203,7 @@ class Slicer:
         view.connected = True
         view.down_since = None
         self._last_up[master_id] = now
+        self._draining.discard(master_id)  # a draining master takes no new streams: a new process
         return self._recompute(now, time_ns)
 
     def stream_down(self, master_id: str, now: float, time_ns: int) -> bool:
@@ -215,15 +219,30 @@ class Slicer:
         return self._recompute(now, time_ns)
 
     def on_ack(
-        self, master_id: str, applied_epoch: int, active: int, wanted: int, now: float, time_ns: int
+        self,
+        master_id: str,
+        applied_epoch: int,
+        active: int,
+        wanted: int,
+        now: float,
+        time_ns: int,
+        draining: bool = False,
     ) -> bool:
-        """A master's Ack: what it holds, runs and wants here. True when the grants changed."""
-        self._ho.ack(master_id, applied_epoch, active, wanted)
+        """A master's Ack: what it holds, runs and wants here. True when the grants changed.
+
+        A master that drains with an empty queue leaves the split at once: it takes no new work, so
+        its share can move to the others as its last leases end (reported in its next Acks).
+        """
+        if draining and wanted == 0:
+            self._draining.add(master_id)
+        elif not draining:
+            self._draining.discard(master_id)
+        self._ho.ack(master_id, applied_epoch, active, wanted, draining)
         return self._recompute(now, time_ns)
 
     def on_probe(self, running: int | None, taken_at: float, now: float, time_ns: int) -> bool:
         """The engine's running count from a sample started at ``taken_at`` (None: probe failed)."""
-        self._ho.probe(running, taken_at)
+        self._ho.probe(running, taken_at, [m for m, v in self.views.items() if v.connected])
         return self._recompute(now, time_ns)
 
     def set_capacity(self, capacity: int, now: float, time_ns: int) -> bool:
@@ -262,6 +281,8 @@ class Slicer:
         out = []
         for mid, v in self.views.items():
             if not v.in_etcd:
+                continue
+            if mid in self._draining:
                 continue
             if v.connected or (v.down_since is not None and now - v.down_since < self.grace_s):
                 out.append(mid)
@@ -328,7 +349,8 @@ class Slicer:
                 # down) may not have noticed yet that it lost this node.
                 last_up = self._last_up.get(mid)
                 not_before = last_up + self.peer_detect_s if last_up is not None else now
-                self._ho.exclude(mid, now, self.epoch, not_before)
+                draining = mid in self._draining
+                self._ho.exclude(mid, now, self.epoch, now if draining else not_before, draining)
             for mid in members:
                 self._ho.include(mid)
         self._ho.expire(now, members)

@@ -53,6 +53,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                 active_slots=active,
                 wanted_slots=wanted,
                 seq=seq,
+                draining=self.draining,
             )
         )
 

@@ -178,6 +178,8 @@ class ProtocolSim:
                 continue
             n = m.registry.nodes.get(node)
             share = n.effective_share if n is not None else 0
+            if m.draining and m.core.queued_requests == 0:
+                share = 0  # takes no new requests and has none waiting: it can only finish leases
             total += max(share, m.core.active_on(node))
         return total
 
@@ -429,6 +431,9 @@ class ProtocolSim:
         m = self.masters[s.master]
         if s.cut or not s.master_open or not m.alive or m.inc != s.master_inc or m.core is None:
             return
+        if kind == "register" and m.draining:
+            self._abort(s)  # a draining master refuses new streams
+            return
         try:
             if kind == "register":
                 _, token = m.registry.register(
@@ -450,14 +455,14 @@ class ProtocolSim:
         active = m.core.active_on(s.node)
         live = max(1, len(m.registry.live(DECODE)))
         wanted = -(-m.core.wanted_slots() // live)
-        self._send_m2a(s, node.epoch, active, wanted)
+        self._send_m2a(s, node.epoch, active, wanted, m.draining)
 
-    def _send_m2a(self, s: Stream, epoch: int, active: int, wanted: int) -> None:
+    def _send_m2a(self, s: Stream, epoch: int, active: int, wanted: int, draining: bool) -> None:
         if s.cut:
             return
         t = max(self.now + self.delay(), s.m2a_last)
         s.m2a_last = t
-        self.at(t, lambda: self.agent_receive(s, epoch, active, wanted))
+        self.at(t, lambda: self.agent_receive(s, epoch, active, wanted, draining))
 
     # -- agents -------------------------------------------------------------------------------
     def agent_start(self, a: SimAgent) -> None:
@@ -549,7 +554,7 @@ class ProtocolSim:
         s.a2m_last = t
         self.at(t, lambda: self.master_receive(s, kind, grant, a.seq))
 
-    def agent_receive(self, s: Stream, epoch: int, active: int, wanted: int) -> None:
+    def agent_receive(self, s: Stream, epoch: int, active: int, wanted: int, draining: bool = False) -> None:
         a = self.agents[s.node]
         if s.cut or not a.alive or a.inc != s.agent_inc or not s.agent_open or a.slicer is None:
             return
@@ -561,7 +566,7 @@ class ProtocolSim:
             link.up = True
             link.backoff = 0.1
             changed |= a.slicer.stream_up(s.master, self.now, self.time_ns())
-        changed |= a.slicer.on_ack(s.master, epoch, active, wanted, self.now, self.time_ns())
+        changed |= a.slicer.on_ack(s.master, epoch, active, wanted, self.now, self.time_ns(), draining)
         if changed:
             self._changed(a)
 

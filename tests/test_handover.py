@@ -242,6 +242,7 @@ def test_a_master_gone_from_etcd_with_its_stream_up_keeps_its_slots_for_a_grace(
     s.on_ack("b", s.epoch, 0, 0, 2.0, 10)
     # b's key is gone while its stream is still up: b may not know yet that it lost this node.
     assert s.set_masters(["a"], 2.0, 11)
+    s.stream_down("b", 2.0, 11)  # the agent drops its link to a master that left etcd
     assert s.snapshot()["orphans"] == {"b": 4}
     assert not s.on_probe(0, 2.5, 2.6, 12)  # an idle engine proves nothing before b noticed
     assert s.share_for("a") == 4
@@ -258,3 +259,28 @@ def test_lease_expiry_of_a_long_dead_master_frees_its_slots_at_the_next_sample()
     s.set_masters(["a"], 7.0, 12)  # lease expired 5 s later
     assert s.on_probe(0, 7.1, 7.2, 13)  # b's stream has been down for far longer than it needs to notice
     assert dict(s.shares) == {"a": 8}
+
+
+def test_a_draining_master_with_nothing_queued_leaves_the_split_and_its_slots_follow_its_leases() -> None:
+    s = started(8, ["a", "b"])
+    s.on_ack("a", s.epoch, 4, 3, 2.0, 10)
+    s.on_ack("b", s.epoch, 3, 0, 2.0, 10)
+    # b drains but still has a queue: it keeps its share so its waiters can run.
+    assert not s.on_ack("b", s.epoch, 3, 2, 2.1, 11, draining=True)
+    assert s.members(2.1) == ("a", "b")
+    # Queue empty: b takes no more work. It leaves the split at once; its 3 running leases stay counted.
+    assert s.on_ack("b", s.epoch, 3, 0, 2.2, 12, draining=True)
+    assert dict(s.targets) == {"a": 8}
+    assert s.share_for("a") == 5
+    # The engine cannot tell whose requests run: an idle-looking sample does not free b's slots...
+    assert not s.on_probe(4, 2.3, 2.4, 13)
+    assert s.share_for("a") == 5
+    # ...its own Acks do, as its leases end.
+    assert s.on_ack("b", s.epoch, 1, 0, 2.5, 14, draining=True)
+    assert s.share_for("a") == 7
+    assert s.on_ack("b", s.epoch, 0, 0, 2.6, 15, draining=True)
+    assert dict(s.shares) == {"a": 8}
+    # The same id comes back as a new process: a fresh stream, no longer draining.
+    s.stream_down("b", 3.0, 16)
+    s.stream_up("b", 3.1, 17)
+    assert s.members(3.1) == ("a", "b")
