@@ -36,6 +36,9 @@ class SimConfig:
     floor: int = 1
     chaos_s: float = 30.0  # faults happen during this phase
     settle_s: float = 15.0  # then no faults, so every master must reach its target
+    # The last seconds of the stable phase take no new requests: demand settles (to the leases
+    # left, then 0), so demand-following targets stop moving and convergence can be judged.
+    quiet_s: float = 5.0
     fault_every_s: float = 1.5  # mean time between faults in the chaos phase
     rates: dict[str, float] | None = None  # arrivals/s per master (default: 40 each)
     hold_mean_s: float = 0.3  # lease duration, exponential
@@ -214,6 +217,8 @@ class ProtocolSim:
             if not m.alive and not m.draining:
                 self.master_start(m.mid)
         self.measure_from = self.now
+        self.run_until(cfg.chaos_s + cfg.settle_s - cfg.quiet_s)
+        self.arrivals_on = False
         self.run_until(cfg.chaos_s + cfg.settle_s)
         return self.stats
 
@@ -510,7 +515,7 @@ class ProtocolSim:
             if mid not in view:
                 link = a.links.pop(mid)
                 self._agent_close(a, link)
-        for mid in view:
+        for mid in sorted(view):  # sorted: the same seed gives the same run in every process
             if mid not in a.links:
                 a.links[mid] = Link(mid)
                 self.agent_connect(a, a.links[mid])
