@@ -17,7 +17,6 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -27,6 +26,7 @@ from pdmaster.dispatch import Dispatcher, Target, UpstreamError, UpstreamRespons
 from pdmaster.http_api import error_body, json_error
 from pdmaster.prefix_index import PrefixIndex, choose_prefill
 from pdmaster.registry import PREFILL, Node, NodeRegistry
+from pdmaster.upstream import EnginePool
 from pdmaster.validation import (
     InvalidRequest,
     Limits,
@@ -44,6 +44,8 @@ _ERROR_TYPES = {
     429: "rate_limit_exceeded",
     503: "service_unavailable",
 }
+# Relay flow control: stop reading the engine above this many bytes queued for the client.
+_WRITE_HIGH = 256 * 1024
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -106,7 +108,7 @@ class DataPlane:
         *,
         registry: NodeRegistry,
         admission: AdmissionController,
-        dispatcher_factory: Callable[[aiohttp.ClientSession], Dispatcher],
+        dispatcher_factory: Callable[[EnginePool], Dispatcher],
         limits: Limits,
         metrics_registry: CollectorRegistry,
         is_draining: Callable[[], bool],
@@ -126,7 +128,7 @@ class DataPlane:
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: EnginePool | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
     def install(self, app: web.Application) -> None:
@@ -138,13 +140,12 @@ class DataPlane:
         app.on_cleanup.append(self._close)
 
     async def _open(self, _app: web.Application) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        self.dispatcher = self.dispatcher_factory(self._session)
+        self._pool = EnginePool()
+        self.dispatcher = self.dispatcher_factory(self._pool)
 
     async def _close(self, _app: web.Application) -> None:
-        if self._session is not None:
-            await self._session.close()
+        if self._pool is not None:
+            await self._pool.close()
 
     # -- routes -------------------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -294,7 +295,7 @@ class DataPlane:
             self._output_seen(session_id)
             em.ok.inc()
             return web.Response(body=body, content_type="application/json", headers=tags)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (OSError, TimeoutError) as exc:
             return self._error(
                 endpoint, 502, f"decode {decode.node_id} failed: {exc}", type_="upstream_error"
             )
@@ -316,22 +317,49 @@ class DataPlane:
         resp = web.StreamResponse(
             status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **tags}
         )
-        await resp.prepare(request)
+        await resp.prepare(request)  # a StreamResponse sends its head here
+        out = request.transport
+        ex = upstream.exchange
+        if out is None or out.is_closing():
+            return resp  # the client is gone; closing the upstream tells the engine
         em = self.metrics.endpoint(endpoint)
+        # aiohttp chose the framing in prepare(): chunked for HTTP/1.1, until-close for HTTP/1.0.
+        chunked = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
         first = True
         events = 0
+
+        # Events are written to the client's transport from the engine socket's callback: no task
+        # wakes per event. The head went out through aiohttp, and write_eof() below ends the body.
+        def sink(data: bytes) -> None:
+            nonlocal first, events
+            if first:
+                first = False
+                em.ttft.observe(time.perf_counter() - arrived)
+                self._output_seen(session_id)
+            if out.is_closing():
+                ex.abort(ConnectionResetError("the client went away"))
+                return
+            events += data.count(b"data:")
+            out.write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
+            if out.get_write_buffer_size() > _WRITE_HIGH:
+                ex.pause()
+
+        ex.relay(sink)
         try:
-            async for chunk in upstream.chunks():
-                if first:
-                    first = False
-                    em.ttft.observe(time.perf_counter() - arrived)
-                    self._output_seen(session_id)
-                events += chunk.count(b"data:")
-                await resp.write(chunk)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            while True:
+                await ex.wait()
+                if not ex.paused:
+                    break
+                # The client reads slower than the engine writes: stop reading the engine.
+                await request.writer.drain()  # returns once the transport has room again
+                ex.resume()
+        except (OSError, TimeoutError) as exc:
+            if out.is_closing():
+                return resp
             # Headers are gone already: the error becomes an SSE event and the stream ends.
             await resp.write(_sse_error(f"decode stream failed: {exc}"))
         em.tokens.inc(events)
         em.ok.inc()
-        await resp.write_eof()
+        if not out.is_closing():
+            await resp.write_eof()
         return resp

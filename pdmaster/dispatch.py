@@ -8,17 +8,14 @@ then D with the ``kv_transfer_params`` P returned.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import json
 import random
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
+from pdmaster.upstream import EnginePool, Exchange
 
 
 class UpstreamError(Exception):
@@ -40,35 +37,51 @@ class Target:
 
 @dataclass
 class UpstreamResponse:
-    """D's response: status, headers that matter, and a body stream; ``close()`` frees it."""
+    """D's response: status, content type and its exchange; ``close()`` frees both sides."""
 
     status: int
     content_type: str
-    resp: aiohttp.ClientResponse
-    prefill_task: asyncio.Task[None] | None = None
-
-    def chunks(self) -> AsyncIterator[bytes]:
-        return self.resp.content.iter_any()
+    exchange: Exchange
+    prefill: Exchange | None = None
 
     async def read(self) -> bytes:
-        return await self.resp.read()
+        return await self.exchange.read()
 
     async def close(self) -> None:
-        self.resp.close()
-        if self.prefill_task is not None and not self.prefill_task.done():
-            self.prefill_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self.prefill_task
+        self.exchange.abort()  # a no-op once the body is complete
+        if self.prefill is not None:
+            self.prefill.abort()
 
 
-async def _check(resp: aiohttp.ClientResponse, who: str) -> None:
-    if resp.status == 200:
-        return
-    body = await resp.read()
-    status = resp.status if 400 <= resp.status < 500 and resp.status != 429 else 502
-    raise UpstreamError(
-        status, f"{who} answered HTTP {resp.status}: {body[:300].decode(errors='replace')}", body
+def _failure(ex: Exchange, who: str) -> UpstreamError | None:
+    """What the client should see for an engine's answer, or None if it was a 200."""
+    if ex.error is not None and not ex.status:
+        if isinstance(ex.error, UpstreamError):
+            return ex.error
+        if isinstance(ex.error, TimeoutError):
+            return UpstreamError(504, f"{who} timed out: {ex.error}")
+        return UpstreamError(502, f"{who} failed: {ex.error}")
+    if ex.status == 200:
+        return None
+    body = ex.body
+    status = ex.status if 400 <= ex.status < 500 and ex.status != 429 else 502
+    return UpstreamError(
+        status, f"{who} answered HTTP {ex.status}: {body[:300].decode(errors='replace')}", body
     )
+
+
+async def _answer(ex: Exchange, who: str) -> None:
+    """Wait for ``ex``'s head; raise UpstreamError unless it is a 200 (reading the error body)."""
+    try:
+        await ex.head()
+        if ex.status != 200:
+            await ex.wait()
+    except (OSError, TimeoutError):
+        pass  # described by _failure
+    failure = _failure(ex, who)
+    if failure is not None:
+        ex.abort()
+        raise failure
 
 
 @functools.lru_cache(maxsize=1024)
@@ -98,12 +111,11 @@ def with_bootstrap(raw: bytes | None, body: dict[str, Any], host: str, port: int
 
 
 class Dispatcher:
-    def __init__(self, protocol: str, session: aiohttp.ClientSession, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, protocol: str, pool: EnginePool) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"unknown engine protocol {protocol!r}")
         self.protocol = protocol
-        self.session = session
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
+        self.pool = pool
 
     async def open(
         self,
@@ -119,10 +131,10 @@ class Dispatcher:
             if self.protocol == "sglang":
                 return await self._sglang(path, body, prefill, decode, headers, raw)
             return await self._vllm(path, body, prefill, decode, headers)
-        except aiohttp.ClientError as exc:
-            raise UpstreamError(502, f"engine unreachable: {exc}") from exc
         except TimeoutError as exc:
-            raise UpstreamError(504, "engine timed out") from exc
+            raise UpstreamError(504, f"engine timed out: {exc}") from exc
+        except OSError as exc:
+            raise UpstreamError(502, f"engine unreachable: {exc}") from exc
 
     async def _sglang(
         self,
@@ -138,47 +150,28 @@ class Dispatcher:
         data = with_bootstrap(
             raw, body, _hostname(prefill.endpoint), prefill.bootstrap_port, random.getrandbits(63)
         )
-        decode_req = asyncio.ensure_future(
-            self.session.post(decode.endpoint + path, data=data, headers=headers, timeout=self.timeout)
-        )
-        failure: list[UpstreamError] = []
-
-        async def run_prefill() -> None:
-            try:
-                async with self.session.post(
-                    prefill.endpoint + path, data=data, headers=headers, timeout=self.timeout
-                ) as resp:
-                    await _check(resp, f"prefill {prefill.node_id}")
-                    await resp.read()
-                return
-            except UpstreamError as exc:
-                failure.append(exc)
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                failure.append(UpstreamError(502, f"prefill {prefill.node_id} failed: {exc}"))
-            # D would wait for a KV transfer that never comes: stop waiting for its headers
-            # (a no-op when D has answered already).
-            decode_req.cancel()
-
-        prefill_task = asyncio.create_task(run_prefill())
-        # Awaiting D directly (no asyncio.wait over two futures) keeps the per-request cost low;
-        # a prefill failure reaches us as the cancellation of D's request.
+        # The same body goes to P and D at once; P's answer is dropped as it arrives.
+        p = await self.pool.send(prefill.endpoint, path, data, headers, discard=True)
         try:
-            resp = await decode_req
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if failure and me is not None and not me.cancelling():
-                raise failure[0] from None
-            prefill_task.cancel()
-            raise
+            d = await self.pool.send(decode.endpoint, path, data, headers)
         except BaseException:
-            prefill_task.cancel()
+            p.abort()
             raise
+        who = f"prefill {prefill.node_id}"
+
+        def prefill_done(ex: Exchange) -> None:
+            failure = _failure(ex, who)
+            if failure is not None and not d.status:
+                # D would wait for a KV transfer that never comes: stop waiting for its answer.
+                d.abort(failure)
+
+        p.on_done(prefill_done)
         try:
-            await _check(resp, f"decode {decode.node_id}")
+            await _answer(d, f"decode {decode.node_id}")
         except BaseException:
-            prefill_task.cancel()
+            p.abort()
             raise
-        return UpstreamResponse(resp.status, resp.content_type, resp, prefill_task)
+        return UpstreamResponse(d.status, d.content_type, d, p)
 
     async def _vllm(
         self, path: str, body: dict[str, Any], prefill: Target, decode: Target, headers: dict[str, str]
@@ -200,22 +193,26 @@ class Dispatcher:
             "remote_host": None,
             "remote_port": None,
         }
-        async with self.session.post(
-            prefill.endpoint + path, json=p_body, headers=headers, timeout=self.timeout
-        ) as resp:
-            await _check(resp, f"prefill {prefill.node_id}")
-            answer = await resp.json(content_type=None)
+        p = await self.pool.send(prefill.endpoint, path, json.dumps(p_body).encode(), headers)
+        try:
+            await _answer(p, f"prefill {prefill.node_id}")
+            answer_bytes = await p.read()
+        except BaseException:
+            p.abort()
+            raise
+        try:
+            answer = json.loads(answer_bytes)
+        except ValueError:
+            answer = None
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(params, dict):
             raise UpstreamError(502, f"prefill {prefill.node_id} returned no kv_transfer_params")
         d_body = dict(body)
         d_body["kv_transfer_params"] = params
-        resp = await self.session.post(
-            decode.endpoint + path, json=d_body, headers=headers, timeout=self.timeout
-        )
+        d = await self.pool.send(decode.endpoint, path, json.dumps(d_body).encode(), headers)
         try:
-            await _check(resp, f"decode {decode.node_id}")
+            await _answer(d, f"decode {decode.node_id}")
         except BaseException:
-            resp.close()
+            d.abort()
             raise
-        return UpstreamResponse(resp.status, resp.content_type, resp)
+        return UpstreamResponse(d.status, d.content_type, d)

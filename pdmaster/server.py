@@ -122,7 +122,7 @@ class MasterServer:
         self.dataplane = DataPlane(
             registry=self.registry,
             admission=self.admission,
-            dispatcher_factory=lambda session: Dispatcher(args.engine_protocol, session),
+            dispatcher_factory=lambda pool: Dispatcher(args.engine_protocol, pool),
             limits=Limits(max_n=args.max_n, max_tokens=args.max_tokens, model=args.model),
             metrics_registry=self.metrics_registry,
             is_draining=lambda: self.draining,

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 
-import aiohttp
 import pytest
 from aiohttp import web
 
 from pdmaster.dispatch import Dispatcher, Target, UpstreamError, with_bootstrap
+from pdmaster.upstream import EnginePool
 
 
 @pytest.mark.parametrize(
@@ -26,6 +27,15 @@ def test_with_bootstrap_keeps_the_body_and_sets_the_three_fields(raw: bytes) -> 
 def test_with_bootstrap_without_raw_encodes_the_body() -> None:
     out = json.loads(with_bootstrap(None, {"a": [1, 2]}, "h", 1, 2))
     assert out == {"a": [1, 2], "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 2}
+
+
+@contextlib.asynccontextmanager
+async def _pool() -> AsyncIterator[EnginePool]:
+    pool = EnginePool()
+    try:
+        yield pool
+    finally:
+        await pool.close()
 
 
 class Engines:
@@ -75,12 +85,12 @@ async def engines() -> AsyncIterator[tuple[Engines, str]]:
 async def test_sglang_dispatch_streams_from_decode(engines: tuple[Engines, str]) -> None:
     eng, base = engines
     raw = b'{"prompt": "hi", "stream": true}'
-    async with aiohttp.ClientSession() as session:
+    async with _pool() as session:
         d = Dispatcher("sglang", session)
         up = await d.open(
             "/v1/completions", json.loads(raw), Target("p", base + "/p", 9), Target("d", base + "/d"), {}, raw
         )
-        body = b"".join([c async for c in up.chunks()])
+        body = await up.read()
         await up.close()
     assert body.endswith(b"data: [DONE]\n\n")
     assert len(eng.bodies) == 2 and eng.bodies[0] == eng.bodies[1]
@@ -90,7 +100,7 @@ async def test_sglang_dispatch_streams_from_decode(engines: tuple[Engines, str])
 async def test_prefill_failure_ends_the_wait_for_decode(engines: tuple[Engines, str]) -> None:
     eng, base = engines
     eng.prefill_status = 500
-    async with aiohttp.ClientSession() as session:
+    async with _pool() as session:
         d = Dispatcher("sglang", session)
         with pytest.raises(UpstreamError) as info:
             async with asyncio.timeout(5):
@@ -109,7 +119,7 @@ async def test_cancelling_the_caller_cancels_both_sides(engines: tuple[Engines, 
     eng, base = engines
     eng.prefill_status = 500  # D waits for KV
     eng.prefill_delay = 30
-    async with aiohttp.ClientSession() as session:
+    async with _pool() as session:
         d = Dispatcher("sglang", session)
         task = asyncio.create_task(
             d.open(
