@@ -10,6 +10,7 @@ or a bug all release it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -129,6 +130,13 @@ class DataPlane:
         self.idle = asyncio.Event()
         self.idle.set()
         self._pool: EnginePool | None = None
+        # Request ids: a random per-process prefix and a counter, unique across masters and
+        # restarts without reading the system's random source per request (uuid4 does).
+        self._id_prefix = uuid.uuid4().hex[:16]
+        self._ids = itertools.count(1)
+
+    def _new_request_id(self) -> str:
+        return f"{self._id_prefix}{next(self._ids):016x}"
 
     # -- lifecycle ----------------------------------------------------------------------------
     def install(self, app: web.Application) -> None:
@@ -217,7 +225,7 @@ class DataPlane:
             return self._error(
                 endpoint, 400, "X-Session-Id must be at most 256 characters", param="X-Session-Id"
             )
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        request_id = request.headers.get("X-Request-Id") or self._new_request_id()
         # The prefix estimate is computed once here and reused for choosing the prefill node.
         hashes = self.index.hashes(parsed.input_ids if parsed.input_ids is not None else parsed.prompt_text)
         estimate = self.index.estimate(hashes)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import ssl as _ssl
 import time
 from collections import deque
@@ -26,6 +27,8 @@ from typing import cast
 from urllib.parse import urlsplit
 
 __all__ = ["EngineError", "EnginePool", "Exchange", "Origin", "origin"]
+
+log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024
 # An idle connection is dropped after this long: below uvicorn's default keep-alive (5 s), so a
@@ -277,6 +280,9 @@ class _Connection(asyncio.Protocol):
             ex.abort(exc)
         except ValueError as exc:
             ex.abort(EngineError(f"malformed response from {self._where()}: {exc}"))
+        except Exception as exc:  # a failing sink: end this exchange, never leave it hanging
+            log.exception("relaying a response from %s failed", self._where())
+            ex.abort(EngineError(f"relaying the response of {self._where()} failed: {exc!r}"))
 
     def eof_received(self) -> bool:
         ex = self.exchange
@@ -304,11 +310,12 @@ class _Connection(asyncio.Protocol):
         self._state = _HEAD
         self._buf.clear()
         if timeout_s is not None:
-            ex._timer = asyncio.get_running_loop().call_later(
-                timeout_s, ex.abort, TimeoutError(f"{self._where()} did not answer in {timeout_s:g} s")
-            )
+            ex._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, ex, timeout_s)
         self.transport.write(request)
         return ex
+
+    def _expire(self, ex: Exchange, timeout_s: float) -> None:
+        ex.abort(TimeoutError(f"{self._where()} did not answer in {timeout_s:g} s"))
 
     def close(self) -> None:
         self.closed = True
