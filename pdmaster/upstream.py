@@ -300,11 +300,13 @@ class _Connection(asyncio.Protocol):
                 ex._finish(None)
             else:
                 why = f": {exc}" if exc else ""
-                ex._finish(EngineError(f"{self._where()} closed the connection mid-response{why}"))
+                when = "before answering" if self._state == _HEAD else "mid-response"
+                ex._finish(EngineError(f"{self._where()} closed the connection {when}{why}"))
 
     # -- use ----------------------------------------------------------------------------------------
     def send(self, request: bytes, mode: int, timeout_s: float | None) -> Exchange:
-        assert self.transport is not None and self.exchange is None
+        if self.transport is None or self.transport.is_closing() or self.exchange is not None:
+            raise EngineError(f"{self._where()}: connection closed before the request was sent")
         ex = Exchange(self, mode)
         self.exchange = ex
         self._state = _HEAD

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -242,6 +243,26 @@ def test_client_disconnect_releases_the_lease_and_cancels_the_engine(fleet: Flee
     fleet.c.wait_for(
         lambda: fleet.decode_metric("pdsim_cancelled_total") > before, timeout=5 - (time.monotonic() - t0)
     )
+
+
+def test_stream_to_an_http10_client_ends_with_the_connection(fleet: Fleet) -> None:
+    """No chunked framing for HTTP/1.0: the relay writes the events as they are and the master closes."""
+    body = json.dumps({"model": "sim", "prompt": "old client", "max_tokens": 5, "stream": True}).encode()
+    host, port = fleet.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") or head.startswith(b"HTTP/1.1 200"), head
+    assert b"transfer-encoding" not in head.lower()
+    events = [e for e in payload.split(b"\n\n") if e]
+    assert all(e.startswith(b"data: ") for e in events), payload[:200]
+    assert events[-1] == b"data: [DONE]" and len(events) >= 6
 
 
 BAD = [
