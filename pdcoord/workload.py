@@ -4,6 +4,10 @@ Closed loop: ``users`` concurrent clients, each repeatedly sending one request a
 end. Kinds: multi-turn sessions (``X-Session-Id``, the conversation grows), cold prompts,
 shared-prefix prompts (a few long system prompts reused), and gangs (``n`` > 1). Every request ends
 as an Outcome; a request that does not end within ``request_timeout`` is recorded as a hang.
+
+Like the OpenAI SDK, a client that is refused (429/503) waits before its next request, following the
+master's ``Retry-After`` (capped by ``max_backoff_s``, jittered); without that every refusal came
+straight back and a failover turned into thousands of 429s a second.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class Outcome:
     wait_ms: float = 0.0
     error: str = ""
     streamed_events: int = 0
+    retry_after_s: float = 0.0  # the refusal's Retry-After, 0 when there was none
 
     @property
     def ok(self) -> bool:
@@ -53,6 +58,8 @@ class WorkloadConfig:
     )
     gang_n: int = 4
     stream_fraction: float = 0.7
+    # Wait after a refusal: Retry-After (or 0.2 s without one) capped here; 0 disables waiting.
+    max_backoff_s: float = 0.5
 
 
 def _error_kind(status: int, body: bytes) -> str:
@@ -61,6 +68,13 @@ def _error_kind(status: int, body: bytes) -> str:
         return str(err.get("code") or err.get("type") or status)
     except (ValueError, AttributeError):
         return str(status)
+
+
+def _retry_after(value: str | None) -> float:
+    try:
+        return max(0.0, float(value)) if value else 0.0
+    except ValueError:
+        return 0.0
 
 
 class Workload:
@@ -90,8 +104,9 @@ class Workload:
                     wait_ms = float(resp.headers.get("X-Admission-Wait-Ms", "0") or 0)
                     if resp.status != 200:
                         raw = await resp.read()
+                        after = _retry_after(resp.headers.get("Retry-After"))
                         return Outcome(kind, name, resp.status, time.monotonic() - start, klass, wait_ms,
-                                       _error_kind(resp.status, raw))  # fmt: skip
+                                       _error_kind(resp.status, raw), retry_after_s=after)  # fmt: skip
                     events = 0
                     error = ""
                     if stream:
@@ -124,6 +139,7 @@ class Workload:
                             "stream": rng.random() < self.cfg.stream_fraction}  # fmt: skip
                     out = await self._one(session, kind, body, {"X-Session-Id": sid}, "/v1/chat/completions")
                     self.outcomes.append(out)
+                    await self._back_off(out, rng)
                     history.append({"role": "assistant", "content": "ok " * 8})
                 continue
             if kind == "shared_prefix":
@@ -139,7 +155,21 @@ class Workload:
                 n = 1
             body = {"model": "sim", "prompt": prompt, "max_tokens": self.cfg.max_tokens, "n": n,
                     "stream": rng.random() < self.cfg.stream_fraction}  # fmt: skip
-            self.outcomes.append(await self._one(session, kind, body, {}, "/v1/completions"))
+            out = await self._one(session, kind, body, {}, "/v1/completions")
+            self.outcomes.append(out)
+            await self._back_off(out, rng)
+
+    async def _back_off(self, out: Outcome, rng: random.Random) -> None:
+        cap = self.cfg.max_backoff_s
+        if cap <= 0:
+            return
+        if out.status in (429, 503):
+            wait = min(out.retry_after_s or 0.2, cap)
+        elif out.status == 0:  # connection refused or reset: the next pick may be another master
+            wait = min(0.05, cap)
+        else:
+            return
+        await asyncio.sleep(wait * rng.uniform(0.5, 1.0))
 
     async def run(self) -> list[Outcome]:
         self.stop_at = time.monotonic() + self.cfg.duration_s

@@ -1,0 +1,40 @@
+"""The README's main job, `pdcoord demo`, run as an operator would run it (shortened)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+
+def test_demo_keeps_its_promises_and_most_requests_complete() -> None:
+    argv = [sys.executable, "-c", "from pdcoord.cli import main; raise SystemExit(main())", "demo"]
+    # A session of its own: on a timeout the demo and everything it started are stopped together.
+    proc = subprocess.Popen(
+        [*argv, "--duration", "10", "--seed", "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the demo did not finish in 240 s:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    assert "all invariants held" in out
+    assert re.search(r"failover: m1 held the full capacity \d+\.\d+s after m2 was killed", out)
+    m = re.search(r"(\d+) requests, (\d+) completed, 0 5xx", out)
+    assert m is not None, out[-3000:]
+    requests, completed = int(m.group(1)), int(m.group(2))
+    # Clients follow Retry-After: refusals do not come straight back as a storm of 429s.
+    assert completed >= 0.5 * requests, (requests, completed)
+    assert "0 requests queued inside decode engines" in out
