@@ -283,9 +283,11 @@ class NodeAgent:
                 last_sent = 0.0
                 while True:
                     waiter = asyncio.ensure_future(link.send_now.wait())
-                    done, _ = await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                    try:
+                        done, _ = await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        waiter.cancel()  # also when this link is cancelled: no pending task is left behind
                     if reader in done:
-                        waiter.cancel()
                         reader.result()
                         raise ConnectionError("master closed the stream")
                     # Coalesce: during a handover every Ack may move a grant and ask for another
