@@ -67,6 +67,15 @@ class LoadConfig:
     max_attempts: int = 3
 
 
+def _error_code(body: bytes) -> str:
+    """The `code` of an OpenAI-style error body with a leading space, or "" (for messages)."""
+    try:
+        code = json.loads(body).get("error", {}).get("code")
+    except (ValueError, AttributeError):
+        return ""
+    return f" {code}" if code else ""
+
+
 def _is_draining_refusal(status: int, body: bytes) -> bool:
     if status != 503:
         return False
@@ -141,7 +150,7 @@ class Load:
                     raw = await resp.read()
                     return (
                         resp.status,
-                        f"http {resp.status}",
+                        f"http {resp.status}{_error_code(raw)}",
                         retry_after,
                         _is_draining_refusal(resp.status, raw),
                     )
