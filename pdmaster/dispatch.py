@@ -8,14 +8,12 @@ then D with the ``kv_transfer_params`` P returned.
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
-from pdmaster.upstream import EnginePool, Exchange
+from pdmaster.upstream import EnginePool, Exchange, origin
 
 
 class UpstreamError(Exception):
@@ -84,11 +82,6 @@ async def _answer(ex: Exchange, who: str) -> None:
         raise failure
 
 
-@functools.lru_cache(maxsize=1024)
-def _hostname(endpoint: str) -> str:
-    return urlsplit(endpoint).hostname or "127.0.0.1"
-
-
 def with_bootstrap(raw: bytes | None, body: dict[str, Any], host: str, port: int, room: int) -> bytes:
     """The request for P and D: the client's JSON plus bootstrap_host/port/room.
 
@@ -148,7 +141,7 @@ class Dispatcher:
         if prefill.bootstrap_port is None:
             raise UpstreamError(503, f"prefill node {prefill.node_id} registered no bootstrap_port")
         data = with_bootstrap(
-            raw, body, _hostname(prefill.endpoint), prefill.bootstrap_port, random.getrandbits(63)
+            raw, body, origin(prefill.endpoint).host, prefill.bootstrap_port, random.getrandbits(63)
         )
         # The same body goes to P and D at once; P's answer is dropped as it arrives.
         p = await self.pool.send(prefill.endpoint, path, data, headers, discard=True)

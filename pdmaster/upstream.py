@@ -8,7 +8,7 @@ machinery as the largest share of its CPU after the socket calls themselves (ben
 response is parsed inside ``data_received`` and its body goes straight to a sink (the client's
 transport), to a buffer, or nowhere (P's answer, which nobody reads).
 
-Only what engines speak is supported: ``POST``/``GET`` with a body, responses with Content-Length,
+Only what engines speak is supported: ``POST`` with a body, responses with Content-Length,
 chunked transfer encoding, or a body that ends with the connection. No redirects, no proxies, no
 compression (requests never ask for it).
 """
@@ -60,7 +60,7 @@ def origin(endpoint: str) -> Origin:
     """Parse an engine endpoint (``http://host:port[/prefix]``) once."""
     parts = urlsplit(endpoint)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"engine endpoint must be http(s)://host[:port][/prefix], got {endpoint!r}")
+        raise EngineError(f"engine endpoint must be http(s)://host[:port][/prefix], got {endpoint!r}")
     tls = parts.scheme == "https"
     port = parts.port or (443 if tls else 80)
     host = parts.hostname
@@ -78,7 +78,7 @@ class Exchange:
     """One request and its response on one connection.
 
     ``await head()`` waits for the status line and headers. The body is buffered (``read()``),
-    dropped (``discard()``), or handed to a sink as it arrives (``relay()``); ``wait()`` returns
+    dropped (``send(discard=True)``), or handed to a sink as it arrives (``relay()``); ``wait()`` returns
     when the body is complete. ``abort()`` closes the connection under it (the engine sees the
     client go away); a finished exchange's connection goes back to the pool.
     """
@@ -87,7 +87,6 @@ class Exchange:
         "_body",
         "_conn",
         "_done_cb",
-        "_done_fut",
         "_head_fut",
         "_mode",
         "_sink",
@@ -107,7 +106,6 @@ class Exchange:
         self._body = bytearray()
         self._sink: Callable[[bytes], None] | None = None
         self._head_fut: asyncio.Future[None] | None = None
-        self._done_fut: asyncio.Future[None] | None = None
         self._wake: asyncio.Future[None] | None = None
         self._done_cb: Callable[[Exchange], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -136,8 +134,6 @@ class Exchange:
     async def wait(self) -> None:
         """Until the body is complete (or paused by ``pause()``); raises the exchange's error."""
         while not self.done:
-            if self.error is not None:
-                raise self.error
             if self.paused:
                 return
             self._wake = asyncio.get_running_loop().create_future()
@@ -147,12 +143,6 @@ class Exchange:
                 self._wake = None
         if self.error is not None:
             raise self.error
-
-    def discard(self) -> None:
-        """Drop the body as it arrives (already buffered bytes too); a non-200 body is still kept."""
-        if self.status in (0, 200):
-            self._mode = _DISCARD
-            self._body.clear()
 
     def relay(self, sink: Callable[[bytes], None]) -> None:
         """Hand every body byte to ``sink`` from now on, starting with what is buffered."""
@@ -263,7 +253,6 @@ class _Connection(asyncio.Protocol):
         self._buf = bytearray()
         self._left = 0
         self._keep_alive = False
-        self._head_headers: dict[bytes, bytes] = {}
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -340,13 +329,13 @@ class _Connection(asyncio.Protocol):
                     return
                 head = bytes(buf[:end])
                 del buf[: end + 4]
-                status = self._parse_head(head)
+                status, headers = self._parse_head(head)
                 if status >= 200:
                     break
                 # 1xx (100 Continue, 103 Early Hints): the real head follows
             data = bytes(buf)
             buf.clear()
-            ex._on_head(status, self._head_headers)
+            ex._on_head(status, headers)
             if self._state == _DONE:
                 self._complete(ex, reusable=self._keep_alive and not data)
                 return
@@ -368,7 +357,8 @@ class _Connection(asyncio.Protocol):
         else:
             self._chunked(ex, data)
 
-    def _parse_head(self, head: bytes) -> int:
+    def _parse_head(self, head: bytes) -> tuple[int, dict[bytes, bytes]]:
+        """Status and headers; for a final (non-1xx) head also sets how its body is framed."""
         lines = head.split(b"\r\n")
         parts = lines[0].split(b" ", 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
@@ -382,9 +372,8 @@ class _Connection(asyncio.Protocol):
             if not sep:
                 raise ValueError(f"bad header line {line[:80]!r}")
             headers[name.strip().lower()] = value.strip()
-        self._head_headers = headers
         if status < 200:
-            return status
+            return status, headers
         conn = headers.get(b"connection", b"").lower()
         self._keep_alive = parts[0] == b"HTTP/1.1" and b"close" not in conn
         te = headers.get(b"transfer-encoding")
@@ -401,7 +390,7 @@ class _Connection(asyncio.Protocol):
         else:
             self._state = _UNTIL_EOF
             self._keep_alive = False
-        return status
+        return status, headers
 
     def _chunked(self, ex: Exchange, data: bytes) -> None:
         if self._buf:
@@ -481,7 +470,7 @@ class EnginePool:
         self._idle: dict[tuple[str, int, bool], deque[_Connection]] = {}
         self._ssl: _ssl.SSLContext | None = None
         self._closed = False
-        self.opened = 0  # connections made, for tests and metrics
+        self.opened = 0  # connections made (tests check reuse with it)
 
     async def send(
         self,
@@ -490,12 +479,14 @@ class EnginePool:
         body: bytes,
         headers: Mapping[str, str],
         *,
-        method: str = "POST",
         discard: bool = False,
     ) -> Exchange:
-        """Send one request; returns once it is written (``await ex.head()`` for the answer)."""
+        """POST one request; returns once it is written (``await ex.head()`` for the answer).
+
+        ``discard``: drop the body as it arrives (a non-200 body is still kept for the error).
+        """
         key = origin(endpoint)
-        request = _request_bytes(method, key, path, body, headers)
+        request = _request_bytes(key, path, body, headers)
         conn = self._idle_connection(key) or await self._connect(key)
         return conn.send(request, _DISCARD if discard else _BUFFER, self.timeout_s)
 
@@ -562,8 +553,8 @@ class EnginePool:
         conns.append(conn)
 
 
-def _request_bytes(method: str, key: Origin, path: str, body: bytes, headers: Mapping[str, str]) -> bytes:
-    lines = [f"{method} {key.prefix}{path} HTTP/1.1".encode(), b"Host: " + key.host_header]
+def _request_bytes(key: Origin, path: str, body: bytes, headers: Mapping[str, str]) -> bytes:
+    lines = [f"POST {key.prefix}{path} HTTP/1.1".encode(), b"Host: " + key.host_header]
     for name, value in headers.items():
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
             raise ValueError(f"header {name!r} holds a line break")

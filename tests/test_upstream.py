@@ -202,7 +202,7 @@ def test_origin_parsing() -> None:
     o = origin("http://[::1]:8080/p/")
     assert (o.host, o.port, o.tls, o.prefix, o.host_header) == ("::1", 8080, False, "/p", b"[::1]:8080")
     assert origin("https://engine").port == 443
-    with pytest.raises(ValueError, match="http"):
+    with pytest.raises(EngineError, match="http"):
         origin("ftp://x")
 
 
