@@ -62,7 +62,8 @@ class WorkloadConfig:
     max_backoff_s: float = 0.5
 
 
-def _error_kind(status: int, body: bytes) -> str:
+def error_kind(status: int, body: bytes) -> str:
+    """The ``code`` (else ``type``) of an OpenAI-style error body, else the status."""
     try:
         err = json.loads(body).get("error", {})
         return str(err.get("code") or err.get("type") or status)
@@ -106,7 +107,7 @@ class Workload:
                         raw = await resp.read()
                         after = _retry_after(resp.headers.get("Retry-After"))
                         return Outcome(kind, name, resp.status, time.monotonic() - start, klass, wait_ms,
-                                       _error_kind(resp.status, raw), retry_after_s=after)  # fmt: skip
+                                       error_kind(resp.status, raw), retry_after_s=after)  # fmt: skip
                     events = 0
                     error = ""
                     if stream:

@@ -21,6 +21,7 @@ import aiohttp
 
 from nodeagent.slicing import slice_shares
 from pdcoord.cluster import LocalCluster, http_json, scrape_metrics
+from pdcoord.workload import error_kind
 
 HANG = -1  # status of a request that did not end within the client's timeout
 CONN_FAILED = 0  # status of a request whose connection failed or broke
@@ -65,15 +66,6 @@ class LoadConfig:
     # or a 503 from a draining master. That is what a load balancer in front of the masters does.
     lb_retry: bool = False
     max_attempts: int = 3
-
-
-def _error_code(body: bytes) -> str:
-    """The `code` of an OpenAI-style error body with a leading space, or "" (for messages)."""
-    try:
-        code = json.loads(body).get("error", {}).get("code")
-    except (ValueError, AttributeError):
-        return ""
-    return f" {code}" if code else ""
 
 
 def _is_draining_refusal(status: int, body: bytes) -> bool:
@@ -150,7 +142,7 @@ class Load:
                     raw = await resp.read()
                     return (
                         resp.status,
-                        f"http {resp.status}{_error_code(raw)}",
+                        f"http {resp.status} {error_kind(resp.status, raw)}",
                         retry_after,
                         _is_draining_refusal(resp.status, raw),
                     )

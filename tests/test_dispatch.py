@@ -85,8 +85,8 @@ async def engines() -> AsyncIterator[tuple[Engines, str]]:
 async def test_sglang_dispatch_streams_from_decode(engines: tuple[Engines, str]) -> None:
     eng, base = engines
     raw = b'{"prompt": "hi", "stream": true}'
-    async with _pool() as session:
-        d = Dispatcher("sglang", session)
+    async with _pool() as pool:
+        d = Dispatcher("sglang", pool)
         up = await d.open(
             "/v1/completions", json.loads(raw), Target("p", base + "/p", 9), Target("d", base + "/d"), {}, raw
         )
@@ -100,8 +100,8 @@ async def test_sglang_dispatch_streams_from_decode(engines: tuple[Engines, str])
 async def test_prefill_failure_ends_the_wait_for_decode(engines: tuple[Engines, str]) -> None:
     eng, base = engines
     eng.prefill_status = 500
-    async with _pool() as session:
-        d = Dispatcher("sglang", session)
+    async with _pool() as pool:
+        d = Dispatcher("sglang", pool)
         with pytest.raises(UpstreamError) as info:
             async with asyncio.timeout(5):
                 await d.open(
@@ -119,8 +119,8 @@ async def test_cancelling_the_caller_cancels_both_sides(engines: tuple[Engines, 
     eng, base = engines
     eng.prefill_status = 500  # D waits for KV
     eng.prefill_delay = 30
-    async with _pool() as session:
-        d = Dispatcher("sglang", session)
+    async with _pool() as pool:
+        d = Dispatcher("sglang", pool)
         task = asyncio.create_task(
             d.open(
                 "/v1/completions", {"prompt": "x"}, Target("p", base + "/p", 9), Target("d", base + "/d"), {}
