@@ -24,10 +24,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from peers import BENCH, RESULTS, ROOT, environment, median, pyplot, run_loadgen, write_json
+from peers import BENCH, CLK_TCK, RESULTS, ROOT, environment, median, pyplot, run_loadgen, write_json
 
 sys.path.insert(0, str(ROOT))
 from pdcoord.cluster import LocalCluster
@@ -116,6 +117,60 @@ def top_frames(raw: Path, n: int = 25) -> list[tuple[str, float]]:
         leaf = stack.split(";")[-1]
         self_t[leaf] = self_t.get(leaf, 0) + c
     return [(k, round(v / total, 4)) for k, v in sorted(self_t.items(), key=lambda kv: -kv[1])[:n]]
+
+
+# Where the master's main-thread samples go, first matching rule wins (leaf frame unless noted).
+_SHARE_RULES: list[tuple[str, Callable[[list[str]], bool]]] = [
+    ("uvloop/asyncio C code (epoll, reads, callbacks)", lambda f: f[-1].startswith("Runner.run")),
+    ("writing streamed events to the client", lambda f: "_relay_stream.<locals>.sink" in f[-1]),
+    ("writing the engine requests", lambda f: f[-1].startswith("_Connection.send")),
+    ("aiohttp's own writes (head, end of stream)", lambda f: "StreamWriter._write" in f[-1]),
+    ("admission", lambda f: any("admission" in x for x in f)),
+    ("engine client Python (pdmaster/upstream.py)", lambda f: any("upstream.py" in x for x in f)),
+    ("data plane and dispatch, own code", lambda f: "dataplane.py" in f[-1] or "dispatch.py" in f[-1]),
+    ("aiohttp server (parsing, routing, request objects)", lambda f: "aiohttp" in f[-1]),
+    ("JSON, validation, prefix index, metrics",
+     lambda f: any(k in f[-1] for k in ("json", "validation", "prefix_index", "prometheus"))),
+]  # fmt: skip
+
+
+def profile_shares(raw: Path) -> dict[str, Any]:
+    """Main-thread sample shares by category; py-spy's samples of helper threads are set apart."""
+    counts: dict[str, int] = {}
+    main_total = helper = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        c = int(count)
+        frames = stack.split(";")
+        if any(f.startswith("Thread.run") for f in frames):
+            helper += c
+            continue
+        main_total += c
+        name = next((n for n, rule in _SHARE_RULES if rule(frames)), "other")
+        counts[name] = counts.get(name, 0) + c
+    total = main_total + helper
+    return {
+        "helper_thread_sample_share": round(helper / total, 4) if total else None,
+        "main_thread": {k: round(v / main_total, 4) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
+        if main_total
+        else {},
+    }
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (utime + stime) of each thread of *pid*, keyed "name/tid"."""
+    out: dict[str, float] = {}
+    base = Path(f"/proc/{pid}/task")
+    for task in base.iterdir() if base.exists() else []:
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[f"{name}/{task.name}"] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
 
 
 def main() -> None:
@@ -225,12 +280,20 @@ def main() -> None:
             raw = RESULTS / "proxy_profile.txt"
             started = py_spy_profile(router_pid["pdmaster"], args.duration, raw)
             if started:
+                before = thread_cpu(router_pid["pdmaster"])
                 run_loadgen(
                     [*urls["pdmaster"], "--concurrency", str(max(concs)), "--duration", str(args.duration),
                      "--warmup", "1"], {},
                 )  # fmt: skip
+                after = thread_cpu(router_pid["pdmaster"])
                 time.sleep(2)
-                profile = {"file": raw.name, "top_self": top_frames(raw)} if raw.exists() else None
+                # Which threads really used the CPU: py-spy may sample a blocked helper thread.
+                threads = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()}
+                profile = (
+                    {"file": raw.name, "top_self": top_frames(raw), "shares": profile_shares(raw),
+                     "thread_cpu_s": threads}
+                    if raw.exists() else None
+                )  # fmt: skip
             else:
                 notes["profile"] = "py-spy not installed (pip install -e '.[bench]')"
 
