@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -19,11 +20,13 @@ import grpc
 import grpc.aio
 from aiohttp import web
 
-from nodeagent.probe import LoadProbe, LoadSample
-from nodeagent.slicing import Slicer
+from nodeagent.probe import LoadProbe
+from nodeagent.slicing import SharePolicy, Slicer
 from pdcoord import __version__
+from pdcoord.config import EtcdSettings
 from pdcoord.etcd import EtcdClient, EtcdError, Registration, WatchCompacted
 from pdcoord.keys import Keys
+from pdcoord.load import EngineLoad
 from pdcoord.tls import ClientTLS, grpc_channel, looks_like_tls_failure
 from pdcoord.v1 import coordination_pb2 as pb
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
@@ -47,34 +50,23 @@ MIN_REPORT_GAP_S = 0.05
 
 @dataclass
 class AgentConfig:
-    etcd: list[str]
-    cluster: str
+    etcd: EtcdSettings
     node_id: str
     role: str
     endpoint: str
     running_max_req_size: int
-    etcd_prefix: str | None = None
     start_args: dict[str, str] = field(default_factory=dict)
-    lease_ttl: int = 5
     report_interval: float = 1.0
-    grace: float = 1.0
+    shares: SharePolicy = field(default_factory=SharePolicy)
     register_wait: float = 15.0
     metrics_url: str | None = None
     health_host: str = "127.0.0.1"
     health_port: int | None = None
     reconnect_max_backoff: float = 2.0
     send_grant: bool = True  # False emulates an older agent (tests of compatibility)
-    handover: str = "strict"
-    share_policy: str = "static"
-    share_floor: int = 1
-    rebalance_interval: float = 1.0
-    rebalance_hysteresis: int = 2
-    rebalance_max_step: float = 0.25
-    orphan_timeout: float = 30.0
     # Report (and so collect Acks) this often while a master waits for slots others still hold.
     handover_poll: float = 0.1
     grpc_tls: ClientTLS | None = None  # None: plaintext gRPC to the masters
-    etcd_options: dict[str, Any] = field(default_factory=dict)  # EtcdClient TLS / auth keywords
 
 
 @dataclass
@@ -92,27 +84,20 @@ class MasterLink:
 class NodeAgent:
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
-        self.keys = Keys.for_cluster(cfg.cluster, cfg.etcd_prefix)
-        self.etcd = EtcdClient(cfg.etcd, **cfg.etcd_options)
+        self.keys = Keys.for_cluster(cfg.etcd.cluster, cfg.etcd.prefix)
+        self.etcd = EtcdClient(cfg.etcd.endpoints, **cfg.etcd.options)
         self.slicer = Slicer(
             node_id=cfg.node_id,
             capacity=cfg.running_max_req_size,
-            grace_s=cfg.grace,
             # Prefill shares bound no lease (admission is on decode slots): nothing to hand over.
-            handover=cfg.handover if cfg.role == "decode" else "fast",
-            policy=cfg.share_policy,
-            floor=cfg.share_floor,
-            rebalance_s=cfg.rebalance_interval,
-            hysteresis=cfg.rebalance_hysteresis,
-            max_step_frac=cfg.rebalance_max_step,
-            orphan_timeout_s=cfg.orphan_timeout,
+            policy=cfg.shares if cfg.role == "decode" else dataclasses.replace(cfg.shares, handover="fast"),
             probe=cfg.metrics_url is not None,
             now=time.monotonic(),
         )
         self.links: dict[str, MasterLink] = {}
         self.registration: Registration | None = None
         self.incarnation = time.time_ns()
-        self.load = LoadSample()
+        self.load = EngineLoad()
         self.seq = 0
         self._kick = asyncio.Event()
         self._stopping = False
@@ -247,12 +232,7 @@ class NodeAgent:
     def _report_msg(self, mid: str) -> pb.AgentMessage:
         self.seq += 1
         rep = pb.Report(
-            load=pb.Load(
-                running=self.load.running,
-                waiting=self.load.waiting,
-                kv_usage=self.load.kv_usage,
-                probe_ok=self.load.ok,
-            ),
+            load=self.load.to_pb(),
             seq=self.seq,
         )
         grant = self._grant(mid)
@@ -394,7 +374,7 @@ class NodeAgent:
             self.load = sample
             # The engine's own count is what tells the handover that a departed master's leases ended.
             if self.slicer.on_probe(
-                sample.running if sample.ok else None, taken_at, time.monotonic(), time.time_ns()
+                sample.running if sample.probe_ok else None, taken_at, time.monotonic(), time.time_ns()
             ):
                 self._changed()
             if changed:
@@ -423,7 +403,11 @@ class NodeAgent:
                 }
                 for mid, link in sorted(self.links.items())
             },
-            "load": {"running": self.load.running, "waiting": self.load.waiting, "probe_ok": self.load.ok},
+            "load": {
+                "running": self.load.running,
+                "waiting": self.load.waiting,
+                "probe_ok": self.load.probe_ok,
+            },
         }
 
     async def _start_health(self) -> None:
@@ -449,7 +433,7 @@ class NodeAgent:
         await self.etcd.connect()
         self.slicer.restore_epoch(await self._stored_epoch())
         self.registration = Registration(
-            self.etcd, self.keys.node(self.cfg.node_id), self._node_value, ttl=self.cfg.lease_ttl
+            self.etcd, self.keys.node(self.cfg.node_id), self._node_value, ttl=self.cfg.etcd.lease_ttl
         )
         await self.registration.start(wait=self.cfg.register_wait)
         await self._start_health()
@@ -467,7 +451,7 @@ class NodeAgent:
             self.cfg.role,
             self.slicer.capacity,
             self.cfg.endpoint,
-            self.cfg.cluster,
+            self.cfg.etcd.cluster,
         )
         print(f"nodeagent ready node_id={self.cfg.node_id}", flush=True)
 

@@ -12,21 +12,16 @@ import aiohttp
 
 from pdcoord.config import (
     EnvArgumentParser,
+    EtcdSettings,
     add_common_flags,
-    etcd_endpoints,
+    add_etcd_flags,
     non_negative_int,
     port,
     positive_float,
     positive_int,
     setup_logging,
 )
-from pdcoord.tls import (
-    TLSConfigError,
-    add_etcd_security_flags,
-    add_grpc_client_tls_flags,
-    client_tls_from_args,
-    etcd_options_from_args,
-)
+from pdcoord.tls import TLSConfigError, add_grpc_client_tls_flags, client_tls_from_args
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -48,14 +43,8 @@ def _fraction(text: str) -> float:
 
 def build_parser() -> EnvArgumentParser:
     p = EnvArgumentParser(prog="nodeagent", description=__doc__, env_prefix="NODEAGENT")
-    g = p.add_argument_group("cluster")
-    g.add_argument(
-        "--etcd", type=etcd_endpoints, default=["127.0.0.1:2379"], help="etcd HOST:PORT[,HOST:PORT...]"
-    )
-    g.add_argument("--cluster", default="default", help="cluster name; keys live under /pdcoord/<cluster>/")
-    g.add_argument("--etcd-prefix", default=None, help="override the etcd key prefix")
+    g = add_etcd_flags(p)
     g.add_argument("--node-id", required=True, help="unique id of this node (e.g. the pod name)")
-    g.add_argument("--lease-ttl", type=positive_int, default=5, help="etcd lease TTL in seconds")
     g.add_argument(
         "--register-wait",
         type=positive_float,
@@ -152,7 +141,6 @@ def build_parser() -> EnvArgumentParser:
         help="serve GET /health and /status on this port (0 = off)",
     )
     add_grpc_client_tls_flags(p)
-    add_etcd_security_flags(p)
     add_common_flags(p)
     return p
 
@@ -160,11 +148,12 @@ def build_parser() -> EnvArgumentParser:
 async def _run(args: argparse.Namespace) -> int:
     from nodeagent.agent import AgentConfig, NodeAgent
     from nodeagent.probe import fetch_max_running_requests
+    from nodeagent.slicing import SharePolicy
     from pdcoord.etcd import AlreadyRegistered, EtcdError
 
     try:
         grpc_tls = client_tls_from_args(args)
-        etcd_options = etcd_options_from_args(args)
+        etcd = EtcdSettings.from_args(args)
     except TLSConfigError as exc:
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         return 2
@@ -182,17 +171,13 @@ async def _run(args: argparse.Namespace) -> int:
     if args.model:
         start_args["model"] = args.model
     cfg = AgentConfig(
-        etcd=args.etcd,
-        cluster=args.cluster,
-        etcd_prefix=args.etcd_prefix,
+        etcd=etcd,
         node_id=args.node_id,
         role=args.role,
         endpoint=args.endpoint.rstrip("/"),
         running_max_req_size=capacity,
         start_args=start_args,
-        lease_ttl=args.lease_ttl,
         report_interval=args.report_interval,
-        grace=args.grace,
         register_wait=args.register_wait,
         metrics_url=None
         if args.no_load_probe
@@ -200,15 +185,17 @@ async def _run(args: argparse.Namespace) -> int:
         health_host=args.health_host,
         health_port=args.health_port or None,
         send_grant=not args.no_grant,
-        handover=args.handover,
-        share_policy=args.share_policy,
-        share_floor=args.share_floor,
-        rebalance_interval=args.rebalance_interval,
-        rebalance_hysteresis=args.rebalance_hysteresis,
-        rebalance_max_step=args.rebalance_max_step,
-        orphan_timeout=args.orphan_timeout,
+        shares=SharePolicy(
+            policy=args.share_policy,
+            handover=args.handover,
+            grace=args.grace,
+            floor=args.share_floor,
+            rebalance_interval=args.rebalance_interval,
+            rebalance_hysteresis=args.rebalance_hysteresis,
+            rebalance_max_step=args.rebalance_max_step,
+            orphan_timeout=args.orphan_timeout,
+        ),
         grpc_tls=grpc_tls,
-        etcd_options=etcd_options,
     )
     agent = NodeAgent(cfg)
     stop = asyncio.Event()

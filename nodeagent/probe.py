@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import aiohttp
+
+from pdcoord.load import EngineLoad
 
 log = logging.getLogger(__name__)
 
@@ -21,15 +22,7 @@ _NAMES = {
 }
 
 
-@dataclass
-class LoadSample:
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    ok: bool = False
-
-
-def parse_metrics(text: str) -> LoadSample:
+def parse_metrics(text: str) -> EngineLoad:
     """Sum each known metric over its label sets (one engine may expose several series).
 
     An engine that exports both naming schemes (pdsim does, for either kind of peer router) would be
@@ -64,11 +57,11 @@ def parse_metrics(text: str) -> LoadSample:
     for name, field in _NAMES.items():  # dict order: SGLang names first
         if name in per_metric and field not in sums:
             sums[field] = per_metric[name]
-    return LoadSample(
+    return EngineLoad(
         running=int(sums.get("running", 0)),
         waiting=int(sums.get("waiting", 0)),
         kv_usage=sums.get("kv_usage", 0.0),
-        ok=seen,
+        probe_ok=seen,
     )
 
 
@@ -79,7 +72,7 @@ class LoadProbe:
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self._warned = False
 
-    async def sample(self) -> LoadSample:
+    async def sample(self) -> EngineLoad:
         try:
             async with self.session.get(self.url, timeout=self.timeout) as resp:
                 if resp.status != 200:
@@ -89,7 +82,7 @@ class LoadProbe:
             if not self._warned:
                 log.warning("load probe %s failed: %s", self.url, exc)
                 self._warned = True
-            return LoadSample()
+            return EngineLoad()
         self._warned = False
         return sample
 

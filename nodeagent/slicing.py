@@ -115,6 +115,27 @@ HANDOVER_MODES = ("strict", "fast")
 SHARE_POLICIES = ("static", "demand")
 
 
+@dataclass(frozen=True)
+class SharePolicy:
+    """How a node's capacity is split and handed over; the fields are the agent's flags of the same
+    names (``--share-policy`` is ``policy``, ``--share-floor`` is ``floor``), carried unchanged."""
+
+    policy: str = "static"  # static: even split; demand: follow active + wanted slots
+    handover: str = "strict"  # strict: shrink before grow; fast: shares move at once
+    grace: float = 1.0  # seconds a master's stream may be down before it leaves the split
+    floor: int = 1  # demand: slots every live master keeps
+    rebalance_interval: float = 1.0  # demand: seconds between re-evaluations
+    rebalance_hysteresis: int = 2  # demand: smallest move, in slots
+    rebalance_max_step: float = 0.25  # demand: largest move per re-evaluation, fraction of the node
+    orphan_timeout: float = 30.0  # strict: free a departed master's slots after this long regardless
+
+    def __post_init__(self) -> None:
+        if self.handover not in HANDOVER_MODES:
+            raise ValueError(f"handover must be one of {HANDOVER_MODES}, got {self.handover!r}")
+        if self.policy not in SHARE_POLICIES:
+            raise ValueError(f"policy must be one of {SHARE_POLICIES}, got {self.policy!r}")
+
+
 @dataclass
 class MasterView:
     """What the agent knows of one master."""
@@ -141,14 +162,7 @@ class Slicer:
 
     node_id: str
     capacity: int
-    grace_s: float = 1.0
-    handover: str = "strict"
-    policy: str = "static"
-    floor: int = 1
-    rebalance_s: float = 1.0
-    hysteresis: int = 2
-    max_step_frac: float = 0.25
-    orphan_timeout_s: float = 30.0
+    policy: SharePolicy = field(default_factory=SharePolicy)
     # How long a master may take to notice that its stream to this agent is dead (its gRPC
     # keep-alive: ~0.75 s); until then it may still place work here under its last share.
     peer_detect_s: float = 1.0
@@ -167,14 +181,10 @@ class Slicer:
     _ho: Handover = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.handover not in HANDOVER_MODES:
-            raise ValueError(f"handover must be one of {HANDOVER_MODES}, got {self.handover!r}")
-        if self.policy not in SHARE_POLICIES:
-            raise ValueError(f"policy must be one of {SHARE_POLICIES}, got {self.policy!r}")
         self._ho = Handover(
             self.capacity,
-            strict=self.handover == "strict",
-            orphan_timeout_s=self.orphan_timeout_s,
+            strict=self.policy.handover == "strict",
+            orphan_timeout_s=self.policy.orphan_timeout,
             probe=self.probe,
             now=self.now,
             startup_wait_s=self.peer_detect_s,
@@ -264,7 +274,7 @@ class Slicer:
     def next_grace_deadline(self) -> float | None:
         """When the next grace window ends (so the caller can wake exactly then)."""
         deadlines = [
-            v.down_since + self.grace_s
+            v.down_since + self.policy.grace
             for v in self.views.values()
             if v.in_etcd and not v.connected and v.down_since is not None
         ]
@@ -273,7 +283,7 @@ class Slicer:
     def next_deadline(self) -> float | None:
         """The earliest timer of any kind (grace, rebalance, orphan timeout)."""
         times = [self.next_grace_deadline(), self._ho.next_deadline()]
-        if self.policy == "demand" and self._members:
+        if self.policy.policy == "demand" and self._members:
             times.append(self._next_rebalance)
         return min((t for t in times if t is not None), default=None)
 
@@ -284,7 +294,7 @@ class Slicer:
                 continue
             if mid in self._draining:
                 continue
-            if v.connected or (v.down_since is not None and now - v.down_since < self.grace_s):
+            if v.connected or (v.down_since is not None and now - v.down_since < self.policy.grace):
                 out.append(mid)
         return tuple(sorted(out))
 
@@ -308,8 +318,8 @@ class Slicer:
 
     def snapshot(self) -> dict[str, object]:
         out: dict[str, object] = {
-            "handover": self.handover,
-            "share_policy": self.policy,
+            "handover": self.policy.handover,
+            "share_policy": self.policy.policy,
             "members": list(self._members),
             "targets": dict(self._targets),
             "grants": dict(self._shares),
@@ -323,18 +333,23 @@ class Slicer:
         return {m: (hs[m].demand if m in hs else 0) for m in members}
 
     def _compute_targets(self, members: tuple[str, ...], now: float, reset: bool) -> dict[str, int]:
-        if self.policy == "static":
+        if self.policy.policy == "static":
             return slice_shares(self.capacity, members, self.node_id)
         if reset or set(self._targets) != set(members):
-            self._next_rebalance = now + self.rebalance_s
-            return demand_shares(self.capacity, self._demands(members), self.node_id, self.floor)
+            self._next_rebalance = now + self.policy.rebalance_interval
+            return demand_shares(self.capacity, self._demands(members), self.node_id, self.policy.floor)
         if now < self._next_rebalance:
             return self._targets
-        self._next_rebalance = now + self.rebalance_s
-        ideal = demand_shares(self.capacity, self._demands(members), self.node_id, self.floor)
-        if max((abs(ideal[m] - self._targets.get(m, 0)) for m in members), default=0) < self.hysteresis:
+        self._next_rebalance = now + self.policy.rebalance_interval
+        ideal = demand_shares(self.capacity, self._demands(members), self.node_id, self.policy.floor)
+        if (
+            max((abs(ideal[m] - self._targets.get(m, 0)) for m in members), default=0)
+            < self.policy.rebalance_hysteresis
+        ):
             return self._targets
-        step = max(self.hysteresis, math.ceil(self.capacity * self.max_step_frac))
+        step = max(
+            self.policy.rebalance_hysteresis, math.ceil(self.capacity * self.policy.rebalance_max_step)
+        )
         return step_towards(self._targets, ideal, step)
 
     def _recompute(self, now: float, time_ns: int, force: bool = False) -> bool:

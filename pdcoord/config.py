@@ -12,7 +12,11 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from pdcoord.tls import TLSConfigError, check_ca, check_pair, read_pem_file
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -141,3 +145,87 @@ def add_common_flags(parser: EnvArgumentParser) -> None:
 
 def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(list(argv) if argv is not None else None)
+
+
+# -- the flags both binaries share: etcd and its security ------------------------------------------
+def add_etcd_flags(parser: EnvArgumentParser) -> Any:
+    """``--etcd``, ``--cluster``, ``--etcd-prefix``, ``--lease-ttl`` (in a "cluster" group, returned so
+    the binary can add its own id flag to it) and the etcd security flags."""
+    g = parser.add_argument_group("cluster")
+    g.add_argument(
+        "--etcd", type=etcd_endpoints, default=["127.0.0.1:2379"], help="etcd HOST:PORT[,HOST:PORT...]"
+    )
+    g.add_argument("--cluster", default="default", help="cluster name; keys live under /pdcoord/<cluster>/")
+    g.add_argument("--etcd-prefix", default=None, help="override the etcd key prefix")
+    g.add_argument("--lease-ttl", type=positive_int, default=5, help="etcd lease TTL in seconds")
+    _add_etcd_security_flags(parser)
+    return g
+
+
+@dataclass(frozen=True)
+class EtcdSettings:
+    """Where etcd is and how to talk to it, from :func:`add_etcd_flags`."""
+
+    endpoints: list[str]
+    cluster: str = "default"
+    prefix: str | None = None
+    lease_ttl: int = 5
+    options: dict[str, Any] = field(default_factory=dict)  # EtcdClient TLS / auth keywords
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EtcdSettings:
+        """TLSConfigError (naming the flag) for unreadable or inconsistent security flags."""
+        return cls(args.etcd, args.cluster, args.etcd_prefix, args.lease_ttl, etcd_options_from_args(args))
+
+
+def _add_etcd_security_flags(parser: EnvArgumentParser) -> None:
+    g = parser.add_argument_group("etcd security")
+    g.add_argument("--etcd-ca", default=None, help="PEM CA bundle of etcd's server certificate (enables TLS)")
+    g.add_argument("--etcd-cert", default=None, help="PEM client certificate for etcd (client-cert-auth)")
+    g.add_argument("--etcd-key", default=None, help="PEM private key of --etcd-cert")
+    g.add_argument("--etcd-user", default=None, help="etcd user name (auth enabled on etcd)")
+    g.add_argument(
+        "--etcd-password",
+        default=None,
+        secret=True,
+        help="etcd password (prefer the environment variable or --etcd-password-file)",
+    )
+    g.add_argument("--etcd-password-file", default=None, help="file whose first line is the etcd password")
+
+
+def etcd_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments for :class:`pdcoord.etcd.EtcdClient` from the etcd security flags."""
+    if (args.etcd_cert is None) != (args.etcd_key is None):
+        raise TLSConfigError("--etcd-cert and --etcd-key must be given together")
+    if args.etcd_cert is not None and args.etcd_ca is None:
+        raise TLSConfigError("--etcd-cert needs --etcd-ca (client certificates are only sent over TLS)")
+    opts: dict[str, Any] = {}
+    if args.etcd_ca is not None:
+        opts["ca_cert"] = read_pem_file(args.etcd_ca, "--etcd-ca")
+        check_ca(args.etcd_ca, "--etcd-ca")
+    if args.etcd_cert is not None:
+        opts["cert_chain"] = read_pem_file(args.etcd_cert, "--etcd-cert")
+        opts["cert_key"] = read_pem_file(args.etcd_key, "--etcd-key")
+        check_pair(args.etcd_cert, args.etcd_key, "--etcd-cert", "--etcd-key")
+    password = args.etcd_password
+    if args.etcd_password_file is not None:
+        if password is not None:
+            raise TLSConfigError("give --etcd-password or --etcd-password-file, not both")
+        try:
+            lines = Path(args.etcd_password_file).read_text().splitlines()
+        except OSError as exc:
+            raise TLSConfigError(
+                f"--etcd-password-file {args.etcd_password_file}: cannot read: {exc.strerror or exc}"
+            ) from exc
+        password = lines[0] if lines else ""
+    if args.etcd_user is None and password is not None:
+        raise TLSConfigError("an etcd password was given without --etcd-user")
+    if args.etcd_user is not None:
+        if not password:
+            raise TLSConfigError(
+                "--etcd-user needs a password (--etcd-password, its environment variable, "
+                "or --etcd-password-file)"
+            )
+        opts["username"] = args.etcd_user
+        opts["password"] = password
+    return opts

@@ -12,19 +12,20 @@ import argparse
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import grpc.aio
 
-from pdcoord.config import EnvArgumentParser
+if TYPE_CHECKING:
+    from pdcoord.config import EnvArgumentParser
 
 
 class TLSConfigError(ValueError):
     """A TLS / credential setting that cannot work, phrased for the operator (names the flag)."""
 
 
-def _read(path: str | Path, flag: str) -> bytes:
+def read_pem_file(path: str | Path, flag: str) -> bytes:
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
@@ -34,7 +35,7 @@ def _read(path: str | Path, flag: str) -> bytes:
     return data
 
 
-def _check_pair(cert: str | Path, key: str | Path, cert_flag: str, key_flag: str) -> None:
+def check_pair(cert: str | Path, key: str | Path, cert_flag: str, key_flag: str) -> None:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
         ctx.load_cert_chain(str(cert), str(key))
@@ -44,7 +45,7 @@ def _check_pair(cert: str | Path, key: str | Path, cert_flag: str, key_flag: str
         ) from exc
 
 
-def _check_ca(ca: str | Path, flag: str) -> None:
+def check_ca(ca: str | Path, flag: str) -> None:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
         ctx.load_verify_locations(cafile=str(ca))
@@ -70,12 +71,12 @@ class ServerTLS:
         *,
         flags: tuple[str, str, str] = ("--grpc-tls-cert", "--grpc-tls-key", "--grpc-tls-client-ca"),
     ) -> ServerTLS:
-        cert_b, key_b = _read(cert, flags[0]), _read(key, flags[1])
-        _check_pair(cert, key, flags[0], flags[1])
+        cert_b, key_b = read_pem_file(cert, flags[0]), read_pem_file(key, flags[1])
+        check_pair(cert, key, flags[0], flags[1])
         ca_b = None
         if client_ca is not None:
-            ca_b = _read(client_ca, flags[2])
-            _check_ca(client_ca, flags[2])
+            ca_b = read_pem_file(client_ca, flags[2])
+            check_ca(client_ca, flags[2])
         return cls(cert_b, key_b, ca_b)
 
     @property
@@ -112,12 +113,12 @@ class ClientTLS:
             raise TLSConfigError("--grpc-tls-cert and --grpc-tls-key must be given together")
         ca_b = None
         if ca is not None:
-            ca_b = _read(ca, "--grpc-tls-ca")
-            _check_ca(ca, "--grpc-tls-ca")
+            ca_b = read_pem_file(ca, "--grpc-tls-ca")
+            check_ca(ca, "--grpc-tls-ca")
         cert_b = key_b = None
         if cert is not None and key is not None:
-            cert_b, key_b = _read(cert, "--grpc-tls-cert"), _read(key, "--grpc-tls-key")
-            _check_pair(cert, key, "--grpc-tls-cert", "--grpc-tls-key")
+            cert_b, key_b = read_pem_file(cert, "--grpc-tls-cert"), read_pem_file(key, "--grpc-tls-key")
+            check_pair(cert, key, "--grpc-tls-cert", "--grpc-tls-key")
         return cls(ca_b, cert_b, key_b, server_name or None)
 
     def credentials(self) -> grpc.ChannelCredentials:
@@ -202,56 +203,3 @@ def client_tls_from_args(args: argparse.Namespace) -> ClientTLS | None:
             raise TLSConfigError("--grpc-tls-server-name needs TLS (--grpc-tls or --grpc-tls-ca)")
         return None
     return ClientTLS.load(args.grpc_tls_ca, args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_server_name)
-
-
-def add_etcd_security_flags(parser: EnvArgumentParser) -> None:
-    g = parser.add_argument_group("etcd security")
-    g.add_argument("--etcd-ca", default=None, help="PEM CA bundle of etcd's server certificate (enables TLS)")
-    g.add_argument("--etcd-cert", default=None, help="PEM client certificate for etcd (client-cert-auth)")
-    g.add_argument("--etcd-key", default=None, help="PEM private key of --etcd-cert")
-    g.add_argument("--etcd-user", default=None, help="etcd user name (auth enabled on etcd)")
-    g.add_argument(
-        "--etcd-password",
-        default=None,
-        secret=True,
-        help="etcd password (prefer the environment variable or --etcd-password-file)",
-    )
-    g.add_argument("--etcd-password-file", default=None, help="file whose first line is the etcd password")
-
-
-def etcd_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments for :class:`pdcoord.etcd.EtcdClient` from the etcd security flags."""
-    if (args.etcd_cert is None) != (args.etcd_key is None):
-        raise TLSConfigError("--etcd-cert and --etcd-key must be given together")
-    if args.etcd_cert is not None and args.etcd_ca is None:
-        raise TLSConfigError("--etcd-cert needs --etcd-ca (client certificates are only sent over TLS)")
-    opts: dict[str, Any] = {}
-    if args.etcd_ca is not None:
-        opts["ca_cert"] = _read(args.etcd_ca, "--etcd-ca")
-        _check_ca(args.etcd_ca, "--etcd-ca")
-    if args.etcd_cert is not None:
-        opts["cert_chain"] = _read(args.etcd_cert, "--etcd-cert")
-        opts["cert_key"] = _read(args.etcd_key, "--etcd-key")
-        _check_pair(args.etcd_cert, args.etcd_key, "--etcd-cert", "--etcd-key")
-    password = args.etcd_password
-    if args.etcd_password_file is not None:
-        if password is not None:
-            raise TLSConfigError("give --etcd-password or --etcd-password-file, not both")
-        try:
-            lines = Path(args.etcd_password_file).read_text().splitlines()
-        except OSError as exc:
-            raise TLSConfigError(
-                f"--etcd-password-file {args.etcd_password_file}: cannot read: {exc.strerror or exc}"
-            ) from exc
-        password = lines[0] if lines else ""
-    if args.etcd_user is None and password is not None:
-        raise TLSConfigError("an etcd password was given without --etcd-user")
-    if args.etcd_user is not None:
-        if not password:
-            raise TLSConfigError(
-                "--etcd-user needs a password (--etcd-password, its environment variable, "
-                "or --etcd-password-file)"
-            )
-        opts["username"] = args.etcd_user
-        opts["password"] = password
-    return opts

@@ -9,11 +9,13 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
+from pdcoord.load import EngineLoad
 from pdcoord.v1 import coordination_pb2 as pb
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
+from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import MasterMetrics
 from pdmaster.ratelimit import TokenBucket
-from pdmaster.registry import DECODE, PREFILL, Load, NodeRegistry, ProtocolError
+from pdmaster.registry import DECODE, PREFILL, NodeRegistry, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         master_id: str,
         registry: NodeRegistry,
         metrics: MasterMetrics,
+        lifecycle: Lifecycle | None = None,
         *,
         slots: SlotsProvider = _no_slots,
         max_reports_per_s: float = 50.0,
@@ -42,7 +45,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         self.metrics = metrics
         self.slots = slots
         self.max_reports_per_s = max_reports_per_s
-        self.draining = False
+        self.lifecycle = lifecycle if lifecycle is not None else Lifecycle()
 
     def _ack(self, node_id: str, epoch: int, seq: int) -> pb.MasterMessage:
         active, wanted = self.slots(node_id)
@@ -53,7 +56,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                 active_slots=active,
                 wanted_slots=wanted,
                 seq=seq,
-                draining=self.draining,
+                draining=self.lifecycle.draining,
             )
         )
 
@@ -76,7 +79,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         self, request_iterator: AsyncIterator[pb.AgentMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.MasterMessage]:
         request_iterator = self._decoded(request_iterator, context)
-        if self.draining:
+        if self.lifecycle.draining:
             await self._refuse(context, "UNAVAILABLE", f"master {self.master_id} is draining")
         first = await anext(aiter(request_iterator), None)
         if first is None:
@@ -141,7 +144,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                     self.registry.report_load(
                         node_id,
                         stream,
-                        Load(rep.load.running, rep.load.waiting, rep.load.kv_usage, rep.load.probe_ok),
+                        EngineLoad.from_pb(rep.load),
                     )
                 except ProtocolError as exc:
                     await self._refuse(context, exc.code, exc.message)

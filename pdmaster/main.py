@@ -10,13 +10,13 @@ from collections.abc import Callable, Sequence
 from pdcoord.config import (
     EnvArgumentParser,
     add_common_flags,
-    etcd_endpoints,
+    add_etcd_flags,
     port,
     positive_float,
     positive_int,
     setup_logging,
 )
-from pdcoord.tls import add_etcd_security_flags, add_grpc_server_tls_flags
+from pdcoord.tls import add_grpc_server_tls_flags
 from pdmaster.admission_controller import add_admission_flags
 
 
@@ -29,14 +29,8 @@ def _api_key(text: str) -> str:
 
 def build_parser() -> EnvArgumentParser:
     p = EnvArgumentParser(prog="pdmaster", description=__doc__, env_prefix="PDMASTER")
-    g = p.add_argument_group("cluster")
-    g.add_argument(
-        "--etcd", type=etcd_endpoints, default=["127.0.0.1:2379"], help="etcd HOST:PORT[,HOST:PORT...]"
-    )
-    g.add_argument("--cluster", default="default", help="cluster name; keys live under /pdcoord/<cluster>/")
-    g.add_argument("--etcd-prefix", default=None, help="override the etcd key prefix")
+    g = add_etcd_flags(p)
     g.add_argument("--master-id", required=True, help="unique id of this master (e.g. the pod name)")
-    g.add_argument("--lease-ttl", type=positive_int, default=5, help="etcd lease TTL in seconds")
     g.add_argument(
         "--drain-timeout",
         type=positive_float,
@@ -142,7 +136,6 @@ def build_parser() -> EnvArgumentParser:
         default="auto",
         help="event loop implementation; auto = uvloop when installed (it cuts the proxy's CPU per request)",
     )
-    add_etcd_security_flags(p)
     add_admission_flags(p)
     add_common_flags(p)
     return p
@@ -167,13 +160,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup_logging(args.log_level, f"pdmaster[{args.master_id}]")
     from pdcoord.etcd import EtcdError
     from pdcoord.tls import TLSConfigError
+    from pdmaster.config import ConfigError, MasterConfig
     from pdmaster.server import MasterServer, StartupError
 
     try:
-        server = MasterServer(args)
+        server = MasterServer(MasterConfig.from_args(args))
         with asyncio.Runner(loop_factory=_loop_factory(args.event_loop)) as runner:
             runner.run(server.serve_forever())
-    except (StartupError, TLSConfigError) as exc:
+    except (StartupError, ConfigError, TLSConfigError) as exc:
         print(f"pdmaster: error: {exc}", file=sys.stderr)
         sys.exit(2)
     except EtcdError as exc:

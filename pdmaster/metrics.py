@@ -1,8 +1,11 @@
-"""Prometheus instruments of the master's control plane (one registry per master)."""
+"""Every Prometheus instrument of the master (one registry per master): the control plane
+(``MasterMetrics``), the request path (``RequestMetrics``) and admission (``AdmissionMetrics``)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdmaster.registry import NodeRegistry
 
@@ -64,3 +67,58 @@ class MasterMetrics:
         if reg.stale_total > self._stale_seen:
             self.stale_reports.inc(reg.stale_total - self._stale_seen)
             self._stale_seen = reg.stale_total
+
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class RequestMetrics:
+    """Client requests: outcomes by endpoint and status, TTFT, duration, relayed events, classes."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "pdcoord_requests", "Client requests by endpoint and HTTP status", ["endpoint", "status"],
+            registry=registry,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "pdcoord_time_to_first_token_seconds", "Arrival to first streamed byte", ["endpoint"],
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.duration = Histogram(
+            "pdcoord_request_duration_seconds", "Arrival to end of response", ["endpoint"],
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.tokens = Counter(
+            "pdcoord_tokens_streamed", "Stream events relayed to clients", ["endpoint"], registry=registry
+        )
+        self.classes = Counter(
+            "pdcoord_requests_classified", "Requests by admission class", ["class"], registry=registry
+        )
+        self._per_endpoint: dict[str, EndpointMetrics] = {}
+        self._per_class: dict[str, Any] = {}
+
+    def endpoint(self, endpoint: str) -> EndpointMetrics:
+        """The children of one route, looked up once: labels() costs a lock and a dict per call."""
+        em = self._per_endpoint.get(endpoint)
+        if em is None:
+            em = self._per_endpoint[endpoint] = EndpointMetrics(self, endpoint)
+        return em
+
+    def classified(self, name: str) -> None:
+        child = self._per_class.get(name)
+        if child is None:
+            child = self._per_class[name] = self.classes.labels(**{"class": name})
+        child.inc()
+
+    def failed(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+
+class EndpointMetrics:
+    __slots__ = ("duration", "ok", "tokens", "ttft")
+
+    def __init__(self, m: RequestMetrics, endpoint: str) -> None:
+        self.ok = m.requests.labels(endpoint=endpoint, status="200")
+        self.ttft = m.ttft.labels(endpoint=endpoint)
+        self.duration = m.duration.labels(endpoint=endpoint)
+        self.tokens = m.tokens.labels(endpoint=endpoint)

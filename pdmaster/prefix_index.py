@@ -1,4 +1,4 @@
-"""Approximate prefix index of the prefill nodes' KV caches, and the cache-aware prefill choice.
+"""Approximate prefix index of the prefill nodes' KV caches (the choice it informs is in ``routing``).
 
 Pure, synchronous, I/O-free. The prompt is cut into fixed-size blocks (characters of the text, or
 token ids when the request carries ``input_ids``); block *i*'s key is a chained hash of key *i-1* and
@@ -17,7 +17,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Literal, TypeVar
+from typing import Generic, TypeVar
 
 NodeId = TypeVar("NodeId", bound=Hashable)
 
@@ -25,6 +25,11 @@ DEFAULT_BLOCK_CHARS = 64
 DEFAULT_BLOCK_TOKENS = 16
 DEFAULT_MAX_ENTRIES_PER_NODE = 65_536
 DEFAULT_MAX_BLOCKS = 4096
+
+
+def _order(node: object) -> tuple[str, str]:
+    # A stable, type-tolerant order for tie-breaks (node ids are usually strings).
+    return (type(node).__name__, str(node))
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,60 +171,3 @@ class PrefixIndex(Generic[NodeId]):
 
     def distinct_keys(self) -> int:
         return len(self._holders)
-
-
-def _order(node: object) -> tuple[str, str]:
-    # A stable, type-tolerant order for tie-breaks (node ids are usually strings).
-    return (type(node).__name__, str(node))
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillChoice(Generic[NodeId]):
-    node: NodeId
-    reason: Literal["cache_hit", "least_loaded"]
-    matched_blocks: int
-    hit_ratio: float
-
-
-def choose_prefill(
-    estimate: PrefixEstimate[NodeId] | None,
-    loads: Mapping[NodeId, float],
-    candidates: Sequence[NodeId],
-    *,
-    threshold: float = 0.5,
-    slack: float = 1.0,
-    min_hit_ratio: float = 0.0,
-    tie_breaker: int = 0,
-) -> PrefillChoice[NodeId] | None:
-    """Pick the prefill node: the node with the longest cached prefix, unless it is overloaded.
-
-    The hit node (most matched blocks among ``candidates``; ties to the lower load, then candidate
-    order) wins when its ratio exceeds ``min_hit_ratio`` and
-    ``load(hit) <= least_load * (1 + threshold) + slack`` — the relative threshold, plus an absolute
-    ``slack`` so that one in-flight request on an otherwise idle fleet does not count as overload.
-    Otherwise the least-loaded candidate wins; ties go round-robin by ``tie_breaker`` (the caller
-    passes a counter it increments per request). A node missing from ``loads`` counts as load 0.
-    Returns None when there are no candidates.
-    """
-    if not candidates:
-        return None
-    least_load = min(loads.get(c, 0.0) for c in candidates)
-    if estimate is not None and estimate.total_blocks:
-        hit: NodeId | None = None
-        best_key: tuple[int, float, int] | None = None
-        for pos, c in enumerate(candidates):
-            blocks = estimate.matches.get(c, 0)
-            if blocks <= 0:
-                continue
-            key = (blocks, -loads.get(c, 0.0), -pos)
-            if best_key is None or key > best_key:
-                hit, best_key = c, key
-        if hit is not None and best_key is not None:
-            ratio = best_key[0] / estimate.total_blocks
-            if ratio > min_hit_ratio and loads.get(hit, 0.0) <= least_load * (1.0 + threshold) + slack:
-                return PrefillChoice(hit, "cache_hit", best_key[0], ratio)
-    tied = [c for c in candidates if loads.get(c, 0.0) == least_load]
-    node = tied[tie_breaker % len(tied)]
-    matched = estimate.matches.get(node, 0) if estimate is not None else 0
-    ratio = estimate.ratio(node) if estimate is not None else 0.0
-    return PrefillChoice(node, "least_loaded", matched, ratio)

@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pdcoord.load import EngineLoad
+
 PREFILL = "prefill"
 DECODE = "decode"
 MAX_ENDPOINT_CHARS = 2048
@@ -34,14 +36,6 @@ class GrantResult(Enum):
 
 
 @dataclass
-class Load:
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    probe_ok: bool = False
-
-
-@dataclass
 class Node:
     node_id: str
     role: str
@@ -56,8 +50,10 @@ class Node:
     epoch: int = 0
     connected: bool = False
     stream: int = 0  # token of the stream that owns this entry
-    load: Load = field(default_factory=Load)
+    load: EngineLoad = field(default_factory=EngineLoad)
     stale_reports: int = 0
+    # SGLang's KV bootstrap port (prefill), parsed once from start_args at registration.
+    bootstrap_port: int | None = None
 
     @property
     def effective_share(self) -> int:
@@ -78,16 +74,25 @@ class Node:
             "agent_version": self.agent_version,
             "start_args": dict(self.start_args),
             "stale_reports": self.stale_reports,
-            "load": {
-                "running": self.load.running,
-                "waiting": self.load.waiting,
-                "kv_usage": self.load.kv_usage,
-                "probe_ok": self.load.probe_ok,
-            },
+            "bootstrap_port": self.bootstrap_port,
+            "load": self.load.as_json(),
         }
 
 
+def _bootstrap_port(node_id: str, text: str | None) -> int | None:
+    if not text:
+        return None
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ProtocolError(
+            "INVALID_ARGUMENT",
+            f"node {node_id}: Register.start_args bootstrap_port must be a port number, got {text[:32]!r}",
+        )
+    return int(text)
+
+
 SharesListener = Callable[[Mapping[str, int]], None]
+# (node_id, role) of a node that stopped holding a share over a live stream.
+LeftListener = Callable[[str, str], None]
 
 
 class NodeRegistry:
@@ -108,6 +113,7 @@ class NodeRegistry:
         self.nodes: dict[str, Node] = {}
         self._next_stream = 0
         self._listeners: list[SharesListener] = []
+        self._left_listeners: list[LeftListener] = []
         self._decode_shares: dict[str, int] = {}
         self.stale_total = 0
         self._connected = 0
@@ -120,8 +126,9 @@ class NodeRegistry:
         self._listeners.append(listener)
         listener(dict(self._decode_shares))
 
-    def decode_shares(self) -> dict[str, int]:
-        return dict(self._decode_shares)
+    def on_node_left(self, listener: LeftListener) -> None:
+        """Call ``listener(node_id, role)`` whenever a node leaves the live set (stream gone, share 0)."""
+        self._left_listeners.append(listener)
 
     @property
     def connected_streams(self) -> int:
@@ -133,11 +140,19 @@ class NodeRegistry:
 
     def _publish(self) -> None:
         # Called only when a stream or a share changes, so the per-request views stay O(1).
+        before = self._live
         self._live = {
             role: sorted((n for n in self.nodes.values() if n.role == role and n.effective_share > 0),
                          key=lambda n: n.node_id)
             for role in (PREFILL, DECODE)
         }  # fmt: skip
+        if self._left_listeners:
+            for role, nodes in before.items():
+                now = {n.node_id for n in self._live[role]}
+                for n in nodes:
+                    if n.node_id not in now:
+                        for left in self._left_listeners:
+                            left(n.node_id, role)
         shares = {
             n.node_id: n.effective_share
             for n in self.nodes.values()
@@ -201,6 +216,7 @@ class NodeRegistry:
                 f"node {node_id}: Register.agent_version longer than {MAX_AGENT_VERSION_CHARS} characters",
             )
         self._check_start_args(node_id, start_args or {})
+        bootstrap_port = _bootstrap_port(node_id, (start_args or {}).get("bootstrap_port"))
         old = self.nodes.get(node_id)
         if old is not None and old.connected:
             raise ProtocolError(
@@ -219,6 +235,7 @@ class NodeRegistry:
             incarnation=incarnation,
             connected=True,
             stream=self._next_stream,
+            bootstrap_port=bootstrap_port,
         )
         if grant is None:
             node.legacy = True
@@ -282,7 +299,7 @@ class NodeRegistry:
         self._publish()
         return GrantResult.APPLIED
 
-    def report_load(self, node_id: str, stream: int, load: Load) -> None:
+    def report_load(self, node_id: str, stream: int, load: EngineLoad) -> None:
         node = self._owned(node_id, stream)
         if not math.isfinite(load.kv_usage) or load.kv_usage < 0:
             raise ProtocolError(

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nodeagent.slicing import Slicer
+from nodeagent.slicing import SharePolicy, Slicer
 from pdmaster.admission import AdmissionCore, AdmissionPolicy, RequestClass, Ticket, TicketState
 from pdmaster.registry import DECODE, NodeRegistry, ProtocolError
 
@@ -479,10 +479,12 @@ class ProtocolSim:
         a.slicer = Slicer(
             node_id=a.node,
             capacity=a.capacity,
-            grace_s=self.cfg.grace_s,
-            handover=self.cfg.handover,
-            policy=self.cfg.policy,
-            floor=self.cfg.floor,
+            policy=SharePolicy(
+                grace=self.cfg.grace_s,
+                handover=self.cfg.handover,
+                policy=self.cfg.policy,
+                floor=self.cfg.floor,
+            ),
             now=self.now,
         )
         a.slicer.restore_epoch(self.stored_epoch.get(a.node, 0))

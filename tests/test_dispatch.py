@@ -6,12 +6,21 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import pytest
 from aiohttp import web
 
-from pdmaster.dispatch import Dispatcher, Target, UpstreamError, with_bootstrap
-from pdmaster.upstream import EnginePool
+from pdmaster.engine import EngineError, EnginePool, make_dispatch, with_bootstrap
+
+
+@dataclass(frozen=True)
+class Node:
+    """What dispatch needs of a registry node."""
+
+    node_id: str
+    endpoint: str
+    bootstrap_port: int | None = None
 
 
 @pytest.mark.parametrize(
@@ -86,9 +95,9 @@ async def test_sglang_dispatch_streams_from_decode(engines: tuple[Engines, str])
     eng, base = engines
     raw = b'{"prompt": "hi", "stream": true}'
     async with _pool() as pool:
-        d = Dispatcher("sglang", pool)
+        d = make_dispatch("sglang", pool)
         up = await d.open(
-            "/v1/completions", json.loads(raw), Target("p", base + "/p", 9), Target("d", base + "/d"), {}, raw
+            "/v1/completions", json.loads(raw), Node("p", base + "/p", 9), Node("d", base + "/d"), {}, raw
         )
         body = await up.read()
         await up.close()
@@ -101,14 +110,14 @@ async def test_prefill_failure_ends_the_wait_for_decode(engines: tuple[Engines, 
     eng, base = engines
     eng.prefill_status = 500
     async with _pool() as pool:
-        d = Dispatcher("sglang", pool)
-        with pytest.raises(UpstreamError) as info:
+        d = make_dispatch("sglang", pool)
+        with pytest.raises(EngineError) as info:
             async with asyncio.timeout(5):
                 await d.open(
                     "/v1/completions",
                     {"prompt": "x"},
-                    Target("p", base + "/p", 9),
-                    Target("d", base + "/d"),
+                    Node("p", base + "/p", 9),
+                    Node("d", base + "/d"),
                     {},
                 )
     assert info.value.status == 502 and "prefill p" in info.value.message
@@ -120,11 +129,9 @@ async def test_cancelling_the_caller_cancels_both_sides(engines: tuple[Engines, 
     eng.prefill_status = 500  # D waits for KV
     eng.prefill_delay = 30
     async with _pool() as pool:
-        d = Dispatcher("sglang", pool)
+        d = make_dispatch("sglang", pool)
         task = asyncio.create_task(
-            d.open(
-                "/v1/completions", {"prompt": "x"}, Target("p", base + "/p", 9), Target("d", base + "/d"), {}
-            )
+            d.open("/v1/completions", {"prompt": "x"}, Node("p", base + "/p", 9), Node("d", base + "/d"), {})
         )
         await asyncio.wait_for(eng.decode_started.wait(), 5)
         task.cancel()

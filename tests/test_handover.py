@@ -8,15 +8,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nodeagent.handover import STARTUP, Handover
-from nodeagent.slicing import Slicer, demand_shares, slice_shares, step_towards
+from nodeagent.slicing import SharePolicy, Slicer, demand_shares, slice_shares, step_towards
 
 ids = st.text(alphabet=string.ascii_lowercase, min_size=1, max_size=4)
 
 
 def started(capacity: int, masters: list[str], **kw: object) -> Slicer:
     """A strict slicer whose startup reservation has been released by an idle engine sample."""
-    kw.setdefault("grace_s", 1.0)
-    s = Slicer(node_id="d1", capacity=capacity, **kw)  # type: ignore[arg-type]
+    kw.setdefault("grace", 1.0)
+    s = Slicer(node_id="d1", capacity=capacity, policy=SharePolicy(**kw))  # type: ignore[arg-type]
     s.set_masters(masters, 0.0, 1)
     for m in masters:
         s.stream_up(m, 0.0, 2)
@@ -26,7 +26,7 @@ def started(capacity: int, masters: list[str], **kw: object) -> Slicer:
 
 
 def test_startup_holds_every_slot_until_an_engine_sample_one_grace_later() -> None:
-    s = Slicer(node_id="d1", capacity=8, grace_s=1.0)
+    s = Slicer(node_id="d1", capacity=8, policy=SharePolicy(grace=1.0))
     s.set_masters(["a", "b"], 0.0, 1)
     s.stream_up("a", 0.0, 1)
     s.stream_up("b", 0.0, 1)
@@ -46,7 +46,7 @@ def test_startup_holds_every_slot_until_an_engine_sample_one_grace_later() -> No
 
 
 def test_without_a_probe_the_first_acks_release_the_startup_reservation() -> None:
-    s = Slicer(node_id="d1", capacity=6, grace_s=1.0, probe=False)
+    s = Slicer(node_id="d1", capacity=6, probe=False, policy=SharePolicy(grace=1.0))
     s.set_masters(["a", "b"], 0.0, 1)
     s.stream_up("a", 0.0, 1)
     s.stream_up("b", 0.0, 1)
@@ -100,7 +100,7 @@ def test_a_master_that_leaves_keeps_its_slots_until_the_engine_shows_them_free()
 
 
 def test_orphans_expire_after_the_timeout_when_no_probe_answers() -> None:
-    s = started(4, ["a", "b"], orphan_timeout_s=10.0)
+    s = started(4, ["a", "b"], orphan_timeout=10.0)
     s.on_ack("b", s.epoch, 2, 0, 2.0, 10)
     s.set_masters(["a"], 2.0, 11)
     assert s.share_for("a") == 2
@@ -122,7 +122,7 @@ def test_a_returning_master_reports_the_truth_and_frees_its_reservation() -> Non
 
 
 def test_fast_mode_grants_targets_at_once() -> None:
-    s = Slicer(node_id="d1", capacity=8, handover="fast")
+    s = Slicer(node_id="d1", capacity=8, policy=SharePolicy(handover="fast"))
     s.set_masters(["a", "b"], 0.0, 1)
     assert dict(s.shares) == {"a": 4, "b": 4}
     s.on_ack("a", s.epoch, 4, 0, 0.1, 2)
@@ -133,7 +133,7 @@ def test_fast_mode_grants_targets_at_once() -> None:
 def test_bad_modes_are_refused_by_name() -> None:
     for kw in ({"handover": "lazy"}, {"policy": "random"}):
         try:
-            Slicer(node_id="d1", capacity=1, **kw)  # type: ignore[arg-type]
+            SharePolicy(**kw)  # type: ignore[arg-type]
         except ValueError as exc:
             assert next(iter(kw.values())) in str(exc)
         else:
@@ -194,7 +194,14 @@ def test_step_towards_moves_boundedly_and_keeps_the_sum(
 
 
 def test_demand_policy_rebalances_with_hysteresis_and_a_bounded_step() -> None:
-    s = started(100, ["busy", "idle"], policy="demand", rebalance_s=1.0, hysteresis=2, max_step_frac=0.25)
+    s = started(
+        100,
+        ["busy", "idle"],
+        policy="demand",
+        rebalance_interval=1.0,
+        rebalance_hysteresis=2,
+        rebalance_max_step=0.25,
+    )
     assert dict(s.targets) == {"busy": 50, "idle": 50}
     s.on_ack("busy", s.epoch, 50, 60, 1.5, 10)
     s.on_ack("idle", s.epoch, 5, 0, 1.5, 10)
@@ -228,7 +235,7 @@ def test_handover_issue_list_stays_bounded_without_acks() -> None:
 
 
 def test_a_failing_probe_falls_back_to_acks_for_the_startup_reservation() -> None:
-    s = Slicer(node_id="d1", capacity=4, grace_s=1.0)
+    s = Slicer(node_id="d1", capacity=4, policy=SharePolicy(grace=1.0))
     s.set_masters(["a"], 0.0, 1)
     s.stream_up("a", 0.0, 1)
     s.on_ack("a", s.epoch, 0, 0, 0.1, 2)
@@ -252,7 +259,7 @@ def test_a_master_gone_from_etcd_with_its_stream_up_keeps_its_slots_for_a_grace(
 
 def test_lease_expiry_of_a_long_dead_master_frees_its_slots_at_the_next_sample() -> None:
     # Stream-based exclusion effectively off (huge grace): the key's expiry is what removes b.
-    s = started(8, ["a", "b"], grace_s=1e6)
+    s = started(8, ["a", "b"], grace=1e6)
     s.on_ack("b", s.epoch, 4, 0, 2.0, 10)
     s.stream_down("b", 2.0, 11)  # killed: its stream broke at once
     assert s.share_for("a") == 4

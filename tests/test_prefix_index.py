@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdmaster.prefix_index import PrefixEstimate, PrefixIndex, choose_prefill
+from pdmaster.prefix_index import PrefixEstimate, PrefixIndex
+from pdmaster.routing import choose_prefill
 
 NODES = ["p0", "p1", "p2"]
 # Short blocks over a tiny alphabet so that shared prefixes, repeats and evictions are common.

@@ -18,11 +18,11 @@ def test_an_engine_exporting_both_families_is_counted_once() -> None:
         ]
     )
     s = parse_metrics(text)
-    assert (s.running, s.waiting, s.kv_usage, s.ok) == (5, 2, 0.25, True)
+    assert (s.running, s.waiting, s.kv_usage, s.probe_ok) == (5, 2, 0.25, True)
 
 
 def test_label_sets_of_one_family_are_summed_and_vllm_alone_works() -> None:
     text = 'vllm:num_requests_running{engine="0"} 3\nvllm:num_requests_running{engine="1"} 4\n'
     s = parse_metrics(text)
-    assert (s.running, s.waiting, s.ok) == (7, 0, True)
-    assert not parse_metrics("other_metric 1\n").ok
+    assert (s.running, s.waiting, s.probe_ok) == (7, 0, True)
+    assert not parse_metrics("other_metric 1\n").probe_ok

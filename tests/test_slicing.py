@@ -8,7 +8,7 @@ import string
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nodeagent.slicing import Slicer, next_epoch, rotation_start, slice_shares
+from nodeagent.slicing import SharePolicy, Slicer, next_epoch, rotation_start, slice_shares
 
 ids = st.text(alphabet=string.ascii_lowercase + string.digits + "-", min_size=1, max_size=12)
 
@@ -64,7 +64,7 @@ def test_next_epoch_strictly_increases(prev: int, now: int, stored: int) -> None
 
 
 def test_slicer_grace_excludes_a_dead_stream_after_grace_only() -> None:
-    s = Slicer(node_id="d1", capacity=8, grace_s=1.0, handover="fast")
+    s = Slicer(node_id="d1", capacity=8, policy=SharePolicy(grace=1.0, handover="fast"))
     assert s.set_masters(["m1", "m2"], now=0.0, time_ns=100)
     assert dict(s.shares) == slice_shares(8, ["m1", "m2"], "d1")
     e0 = s.epoch
@@ -84,7 +84,7 @@ def test_slicer_grace_excludes_a_dead_stream_after_grace_only() -> None:
 
 
 def test_slicer_new_master_gets_grace_then_drops_if_it_never_connects() -> None:
-    s = Slicer(node_id="d1", capacity=5, grace_s=1.0, handover="fast")
+    s = Slicer(node_id="d1", capacity=5, policy=SharePolicy(grace=1.0, handover="fast"))
     s.set_masters(["m1"], 0.0, 1)
     s.stream_up("m1", 0.0, 2)
     assert s.set_masters(["m1", "m2"], 1.0, 3)
@@ -94,7 +94,7 @@ def test_slicer_new_master_gets_grace_then_drops_if_it_never_connects() -> None:
 
 
 def test_slicer_etcd_delete_excludes_at_once_even_with_live_stream() -> None:
-    s = Slicer(node_id="d1", capacity=4, grace_s=1.0, handover="fast")
+    s = Slicer(node_id="d1", capacity=4, policy=SharePolicy(grace=1.0, handover="fast"))
     s.set_masters(["m1", "m2"], 0.0, 1)
     s.stream_up("m1", 0.0, 1)
     s.stream_up("m2", 0.0, 1)
@@ -103,7 +103,7 @@ def test_slicer_etcd_delete_excludes_at_once_even_with_live_stream() -> None:
 
 
 def test_restored_epoch_keeps_increasing_after_restart() -> None:
-    s = Slicer(node_id="d1", capacity=4, handover="fast")
+    s = Slicer(node_id="d1", capacity=4, policy=SharePolicy(handover="fast"))
     s.restore_epoch(10**20)
     s.set_masters(["m1"], 0.0, 5)
     assert s.epoch == 10**20 + 1

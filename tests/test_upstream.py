@@ -12,7 +12,7 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdmaster.upstream import EngineError, EnginePool, origin
+from pdmaster.engine import EngineError, EnginePool, origin
 
 
 class RawServer:
@@ -180,8 +180,9 @@ async def test_timeout_and_abort_close_the_connection(raw: RawServer) -> None:
     async with pool(timeout_s=0.3) as p:
         ex = await p.send(raw.endpoint, "/x", b"{}", {})
         await ex.head()
-        with pytest.raises(TimeoutError):
+        with pytest.raises(EngineError) as info:
             await asyncio.wait_for(ex.wait(), 5)
+        assert info.value.kind == "timeout" and info.value.status == 504
         await asyncio.wait_for(raw.disconnected.wait(), 5)
     raw.disconnected.clear()
     async with pool() as p:

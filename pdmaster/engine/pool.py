@@ -1,16 +1,15 @@
-"""A lean HTTP/1.1 client for the engines: keep-alive pool, one write per request, response bodies
+"""The engine connection pool: keep-alive HTTP/1.1 connections, one write per request, response bodies
 handed on from the socket callback.
 
 Why not aiohttp's client: per engine request it builds a ClientRequest, a ClientResponse, a
 StreamReader and timers, and every streamed event wakes a task that copies it on. The master makes
 two engine requests per client request (P and D) and relays every event, and the profile showed that
 machinery as the largest share of its CPU after the socket calls themselves (bench/README.md). Here a
-response is parsed inside ``data_received`` and its body goes straight to a sink (the client's
-transport), to a buffer, or nowhere (P's answer, which nobody reads).
+response is parsed (by :mod:`pdmaster.engine.http11`) inside ``data_received`` and its body goes
+straight to a sink (the client's transport), to a buffer, or nowhere (P's answer, which nobody reads).
 
-Only what engines speak is supported: ``POST`` with a body, responses with Content-Length,
-chunked transfer encoding, or a body that ends with the connection. No redirects, no proxies, no
-compression (requests never ask for it).
+Only what engines speak is supported: ``POST`` with a body; no redirects, no proxies, no compression
+(requests never ask for it).
 """
 
 from __future__ import annotations
@@ -26,19 +25,17 @@ from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
 
-__all__ = ["EngineError", "EnginePool", "Exchange", "Origin", "origin"]
+from pdmaster.engine.errors import EngineError
+from pdmaster.engine.http11 import Head, ParseError, ResponseParser
+
+__all__ = ["EnginePool", "Exchange", "Origin", "origin"]
 
 log = logging.getLogger(__name__)
 
-MAX_HEAD_BYTES = 64 * 1024
 # An idle connection is dropped after this long: below uvicorn's default keep-alive (5 s), so a
 # reused connection is not one the engine is closing at that moment (a POST is never retried).
 IDLE_TIMEOUT_S = 2.0
 MAX_IDLE_PER_ORIGIN = 1024
-
-
-class EngineError(ConnectionError):
-    """The engine could not be reached, broke the protocol, or closed the connection mid-response."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +57,9 @@ def origin(endpoint: str) -> Origin:
     """Parse an engine endpoint (``http://host:port[/prefix]``) once."""
     parts = urlsplit(endpoint)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise EngineError(f"engine endpoint must be http(s)://host[:port][/prefix], got {endpoint!r}")
+        raise EngineError(
+            f"engine endpoint must be http(s)://host[:port][/prefix], got {endpoint!r}", kind="config"
+        )
     tls = parts.scheme == "https"
     port = parts.port or (443 if tls else 80)
     host = parts.hostname
@@ -68,8 +67,6 @@ def origin(endpoint: str) -> Origin:
     return Origin(host, port, tls, parts.path.rstrip("/"), f"{shown}:{port}".encode())
 
 
-# Body framing states.
-_HEAD, _LENGTH, _UNTIL_EOF, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _DONE = range(8)
 # What happens to body bytes.
 _BUFFER, _DISCARD, _RELAY = range(3)
 
@@ -114,7 +111,7 @@ class Exchange:
         self.content_type = ""
         self.done = False
         self.paused = False
-        self.error: BaseException | None = None
+        self.error: EngineError | None = None
 
     # -- caller side ----------------------------------------------------------------------------
     async def head(self) -> None:
@@ -178,12 +175,12 @@ class Exchange:
         if conn is not None and conn.transport is not None and not self.done:
             conn.transport.resume_reading()
 
-    def abort(self, error: BaseException | None = None) -> None:
+    def abort(self, error: EngineError | None = None) -> None:
         """End the exchange now: its connection is closed, not reused."""
         if self.done:
             return
         conn = self._conn
-        self._finish(error or EngineError("request aborted"))
+        self._finish(error or EngineError("request aborted", kind="aborted"))
         if conn is not None:
             conn.exchange = None
             conn.close()
@@ -193,11 +190,11 @@ class Exchange:
         return bytes(self._body)
 
     # -- connection side ------------------------------------------------------------------------
-    def _on_head(self, status: int, headers: dict[bytes, bytes]) -> None:
-        self.status = status
-        self.headers = headers
-        self.content_type = headers.get(b"content-type", b"").split(b";", 1)[0].strip().decode("latin-1")
-        if status != 200 and self._mode == _DISCARD:
+    def _on_head(self, head: Head) -> None:
+        self.status = head.status
+        self.headers = head.headers
+        self.content_type = head.content_type
+        if head.status != 200 and self._mode == _DISCARD:
             self._mode = _BUFFER  # the error body explains the failure
         fut = self._head_fut
         if fut is not None and not fut.done():
@@ -211,7 +208,7 @@ class Exchange:
         elif mode == _BUFFER:
             self._body += data
 
-    def _finish(self, error: BaseException | None) -> None:
+    def _finish(self, error: EngineError | None) -> None:
         if self.done:
             return
         self.done = True
@@ -240,7 +237,7 @@ class Exchange:
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection; parses the response to the exchange it carries."""
+    """One keep-alive connection; feeds the parser and hands its events to the exchange it carries."""
 
     def __init__(self, pool: EnginePool, key: Origin) -> None:
         self.pool = pool
@@ -249,10 +246,7 @@ class _Connection(asyncio.Protocol):
         self.exchange: Exchange | None = None
         self.closed = False
         self.idle_since = 0.0
-        self._state = _DONE
-        self._buf = bytearray()
-        self._left = 0
-        self._keep_alive = False
+        self.parser = ResponseParser()
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -264,18 +258,25 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         try:
-            self._feed(ex, data)
-        except EngineError as exc:
-            ex.abort(exc)
-        except ValueError as exc:
-            ex.abort(EngineError(f"malformed response from {self._where()}: {exc}"))
+            for event in self.parser.feed(data):
+                if event.__class__ is bytes:
+                    ex._on_body(event)
+                elif event.__class__ is Head:
+                    ex._on_head(event)
+                else:
+                    self._complete(ex, reusable=self.parser.reusable)
+                if ex.done:
+                    break
+        except ParseError as exc:
+            ex.abort(EngineError(f"malformed response from {self._where()}: {exc}", kind="protocol"))
         except Exception as exc:  # a failing sink: end this exchange, never leave it hanging
             log.exception("relaying a response from %s failed", self._where())
             ex.abort(EngineError(f"relaying the response of {self._where()} failed: {exc!r}"))
 
     def eof_received(self) -> bool:
         ex = self.exchange
-        if ex is not None and self._state == _UNTIL_EOF:
+        if ex is not None and self.parser.until_eof:
+            self.parser.feed_eof()
             self._complete(ex, reusable=False)
         return False  # close the transport
 
@@ -285,11 +286,11 @@ class _Connection(asyncio.Protocol):
         ex = self.exchange
         self.exchange = None
         if ex is not None:
-            if self._state == _UNTIL_EOF:
+            if self.parser.until_eof:
                 ex._finish(None)
             else:
                 why = f": {exc}" if exc else ""
-                when = "before answering" if self._state == _HEAD else "mid-response"
+                when = "before answering" if self.parser.awaiting_head else "mid-response"
                 ex._finish(EngineError(f"{self._where()} closed the connection {when}{why}"))
 
     # -- use ----------------------------------------------------------------------------------------
@@ -298,15 +299,16 @@ class _Connection(asyncio.Protocol):
             raise EngineError(f"{self._where()}: connection closed before the request was sent")
         ex = Exchange(self, mode)
         self.exchange = ex
-        self._state = _HEAD
-        self._buf.clear()
+        self.parser.start()
         if timeout_s is not None:
             ex._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, ex, timeout_s)
         self.transport.write(request)
         return ex
 
     def _expire(self, ex: Exchange, timeout_s: float) -> None:
-        ex.abort(TimeoutError(f"{self._where()} did not answer in {timeout_s:g} s"))
+        ex.abort(
+            EngineError(f"{self._where()} did not answer in {timeout_s:g} s", status=504, kind="timeout")
+        )
 
     def close(self) -> None:
         self.closed = True
@@ -316,143 +318,7 @@ class _Connection(asyncio.Protocol):
     def _where(self) -> str:
         return f"engine {self.key.host}:{self.key.port}"
 
-    # -- parsing --------------------------------------------------------------------------------
-    def _feed(self, ex: Exchange, data: bytes) -> None:
-        if self._state == _HEAD:
-            buf = self._buf
-            buf += data
-            while True:
-                end = buf.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(buf) > MAX_HEAD_BYTES:
-                        raise EngineError(f"{self._where()} sent a response head over {MAX_HEAD_BYTES} bytes")
-                    return
-                head = bytes(buf[:end])
-                del buf[: end + 4]
-                status, headers = self._parse_head(head)
-                if status >= 200:
-                    break
-                # 1xx (100 Continue, 103 Early Hints): the real head follows
-            data = bytes(buf)
-            buf.clear()
-            ex._on_head(status, headers)
-            if self._state == _DONE:
-                self._complete(ex, reusable=self._keep_alive and not data)
-                return
-            if not data or ex.done:
-                return
-        state = self._state
-        if state == _LENGTH:
-            n = len(data)
-            if n < self._left:
-                self._left -= n
-                ex._on_body(data)
-                return
-            tail = data[self._left :] if n > self._left else b""
-            ex._on_body(data[: self._left] if tail else data)
-            self._left = 0
-            self._complete(ex, reusable=self._keep_alive and not tail)
-        elif state == _UNTIL_EOF:
-            ex._on_body(data)
-        else:
-            self._chunked(ex, data)
-
-    def _parse_head(self, head: bytes) -> tuple[int, dict[bytes, bytes]]:
-        """Status and headers; for a final (non-1xx) head also sets how its body is framed."""
-        lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
-            raise ValueError(f"bad status line {lines[0][:80]!r}")
-        status = int(parts[1])
-        if not 100 <= status <= 999:
-            raise ValueError(f"bad status {status}")
-        headers: dict[bytes, bytes] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep:
-                raise ValueError(f"bad header line {line[:80]!r}")
-            headers[name.strip().lower()] = value.strip()
-        if status < 200:
-            return status, headers
-        conn = headers.get(b"connection", b"").lower()
-        self._keep_alive = parts[0] == b"HTTP/1.1" and b"close" not in conn
-        te = headers.get(b"transfer-encoding")
-        cl = headers.get(b"content-length")
-        if status in (204, 304):
-            self._state = _DONE
-        elif te is not None and b"chunked" in te.lower():
-            self._state = _CHUNK_SIZE
-        elif cl is not None:
-            self._left = int(cl)
-            if self._left < 0:
-                raise ValueError("negative Content-Length")
-            self._state = _LENGTH if self._left else _DONE
-        else:
-            self._state = _UNTIL_EOF
-            self._keep_alive = False
-        return status, headers
-
-    def _chunked(self, ex: Exchange, data: bytes) -> None:
-        if self._buf:
-            self._buf += data
-            data = bytes(self._buf)
-            self._buf.clear()
-        state = self._state
-        pos = 0
-        end = len(data)
-        out: list[bytes] = []
-        while pos < end:
-            if state == _CHUNK_DATA:
-                take = min(self._left, end - pos)
-                out.append(data[pos : pos + take])
-                pos += take
-                self._left -= take
-                if not self._left:
-                    state = _CHUNK_END
-            elif state == _CHUNK_SIZE:
-                nl = data.find(b"\r\n", pos)
-                if nl < 0:
-                    if end - pos > 1024:
-                        raise ValueError("chunk size line too long")
-                    self._buf += data[pos:]
-                    break
-                size = int(data[pos:nl].split(b";", 1)[0], 16)
-                if size < 0:
-                    raise ValueError("negative chunk size")
-                pos = nl + 2
-                if size:
-                    self._left = size
-                    state = _CHUNK_DATA
-                else:
-                    state = _TRAILER
-            elif state == _CHUNK_END:
-                if end - pos < 2:
-                    self._buf += data[pos:]
-                    break
-                if data[pos : pos + 2] != b"\r\n":
-                    raise ValueError("chunk not followed by CRLF")
-                pos += 2
-                state = _CHUNK_SIZE
-            else:  # _TRAILER: lines until an empty one
-                nl = data.find(b"\r\n", pos)
-                if nl < 0:
-                    if end - pos > MAX_HEAD_BYTES:
-                        raise ValueError("trailer too long")
-                    self._buf += data[pos:]
-                    break
-                if nl == pos:
-                    pos += 2
-                    state = _DONE
-                    break
-                pos = nl + 2
-        self._state = state
-        if out:
-            ex._on_body(out[0] if len(out) == 1 else b"".join(out))
-        if state == _DONE and not ex.done:
-            self._complete(ex, reusable=self._keep_alive and pos == end)
-
     def _complete(self, ex: Exchange, *, reusable: bool) -> None:
-        self._state = _DONE
         self.exchange = None
         ex._finish(None)
         if reusable and not ex.paused and self.transport is not None and not self.closed:
@@ -518,7 +384,7 @@ class EnginePool:
 
     async def _connect(self, key: Origin) -> _Connection:
         if self._closed:
-            raise EngineError("engine pool is closed")
+            raise EngineError("engine pool is closed", kind="aborted")
         loop = asyncio.get_running_loop()
         ssl_ctx: _ssl.SSLContext | None = None
         if key.tls:
@@ -532,10 +398,12 @@ class EnginePool:
                 )
         except TimeoutError:
             raise EngineError(
-                f"engine {key.host}:{key.port}: no connection in {self.connect_timeout_s:g} s"
+                f"engine {key.host}:{key.port}: no connection in {self.connect_timeout_s:g} s",
+                status=504,
+                kind="connect",
             ) from None
         except OSError as exc:
-            raise EngineError(f"engine {key.host}:{key.port} unreachable: {exc}") from exc
+            raise EngineError(f"engine {key.host}:{key.port} unreachable: {exc}", kind="connect") from exc
         self.opened += 1
         return conn
 

@@ -1,0 +1,95 @@
+"""A master's configuration as data: what ``pdmaster``'s flags say, checked and typed once."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from pdcoord.config import EtcdSettings
+from pdcoord.tls import ServerTLS, server_tls_from_args
+from pdmaster.admission import AdmissionPolicy
+from pdmaster.admission_controller import policy_from_args
+from pdmaster.validation import Limits
+
+__all__ = ["ConfigError", "MasterConfig"]
+
+
+class ConfigError(ValueError):
+    """A flag combination the master refuses; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class MasterConfig:
+    master_id: str
+    etcd: EtcdSettings
+    # listeners
+    http_host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_host: str = "0.0.0.0"
+    grpc_port: int = 50051
+    advertise_host: str | None = None
+    admin_host: str | None = None
+    admin_port: int | None = None  # None: /metrics and /admission stay on the HTTP API port
+    grpc_tls: ServerTLS | None = None
+    # HTTP API authentication
+    api_keys: tuple[str, ...] = ()
+    api_keys_file: str | None = None
+    # lifecycle
+    drain_timeout: float = 10.0
+    shutdown_linger: float = 1.0
+    # limits
+    max_node_capacity: int = 4096
+    max_nodes: int = 10_000
+    max_reports_per_s: float = 50.0
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_header_bytes: int = 8190
+    max_headers: int = 128
+    max_start_args: int = 64
+    max_start_arg_bytes: int = 1024
+    limits: Limits = field(default_factory=Limits)
+    # data plane
+    engine_protocol: str = "sglang"
+    prefill_selection: str = "cache-aware"
+    admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    event_loop: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.admin_host is not None and self.admin_port is None:
+            raise ConfigError("--admin-host needs --admin-port")
+
+    @property
+    def separate_admin(self) -> bool:
+        return self.admin_port is not None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> MasterConfig:
+        """TLSConfigError for unreadable certificates, ConfigError for other refused flags."""
+        return cls(
+            master_id=args.master_id,
+            etcd=EtcdSettings.from_args(args),
+            http_host=args.http_host,
+            http_port=args.http_port,
+            grpc_host=args.grpc_host,
+            grpc_port=args.grpc_port,
+            advertise_host=args.advertise_host,
+            admin_host=args.admin_host,
+            admin_port=args.admin_port,
+            grpc_tls=server_tls_from_args(args),
+            api_keys=tuple(args.api_key),
+            api_keys_file=args.api_keys_file,
+            drain_timeout=args.drain_timeout,
+            shutdown_linger=args.shutdown_linger,
+            max_node_capacity=args.max_node_capacity,
+            max_nodes=args.max_nodes,
+            max_reports_per_s=args.max_reports_per_s,
+            max_body_bytes=args.max_body_bytes,
+            max_header_bytes=args.max_header_bytes,
+            max_headers=args.max_headers,
+            max_start_args=args.max_start_args,
+            max_start_arg_bytes=args.max_start_arg_bytes,
+            limits=Limits(max_n=args.max_n, max_tokens=args.max_tokens, model=args.model),
+            engine_protocol=args.engine_protocol,
+            prefill_selection=args.prefill_selection,
+            admission=policy_from_args(args),
+            event_loop=args.event_loop,
+        )

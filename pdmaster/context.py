@@ -1,0 +1,63 @@
+"""What one client request carries through the stages of the request path (``pipeline``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from pdmaster.admission import RequestClass
+    from pdmaster.admission_controller import Lease
+    from pdmaster.metrics import EndpointMetrics
+    from pdmaster.prefix_index import PrefixEstimate
+    from pdmaster.registry import Node
+    from pdmaster.validation import ParsedRequest
+
+__all__ = ["RequestContext", "RequestFailed"]
+
+
+@dataclass(slots=True, eq=False)
+class RequestContext:
+    request: web.Request
+    endpoint: str  # the route's path, also the metrics label
+    arrived: float  # perf_counter() at arrival
+    metrics: EndpointMetrics
+    parsed: ParsedRequest
+    raw: bytes  # the client's JSON text, reused for the engines when possible
+    session_id: str | None
+    request_id: str
+    # Filled in by the stages, in order.
+    hashes: list[int] = field(default_factory=list)
+    estimate: PrefixEstimate[str] | None = None
+    request_class: RequestClass | None = None
+    lease: Lease | None = None
+    prefill: Node | None = None
+    decode: Node | None = None
+    headers: dict[str, str] = field(default_factory=dict)  # for the client's response
+
+    def engine_headers(self) -> dict[str, str]:
+        return {"X-Request-Id": self.request_id, "Content-Type": "application/json"}
+
+
+class RequestFailed(Exception):
+    """A stage ends the request with an HTTP error (the API renders it as an OpenAI error)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str | None = None,
+        code: str | int | None = None,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type_ = type_
+        self.code = code
+        self.param = param
+        self.retry_after = retry_after

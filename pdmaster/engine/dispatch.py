@@ -1,0 +1,264 @@
+"""How one admitted request is sent to its prefill and decode engines: one strategy per PD protocol,
+chosen once at start-up (:func:`make_dispatch`).
+
+``sglang``: the same body goes to P and D at once, carrying ``bootstrap_host``/``bootstrap_port``/
+``bootstrap_room`` so D can pull the KV cache from P; the response streams from D.
+``vllm``: P first (``max_tokens: 1``, ``stream: false``, ``kv_transfer_params.do_remote_decode``),
+then D with the ``kv_transfer_params`` P returned.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from pdmaster.engine.errors import EngineError
+from pdmaster.engine.pool import EnginePool, Exchange, origin
+
+__all__ = [
+    "PROTOCOLS",
+    "Dispatch",
+    "EngineNode",
+    "EngineResponse",
+    "SGLangDispatch",
+    "VLLMDispatch",
+    "make_dispatch",
+    "with_bootstrap",
+]
+
+
+class EngineNode(Protocol):
+    """What dispatch needs of a node (the registry's ``Node`` is one)."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def bootstrap_port(self) -> int | None: ...
+
+
+class EngineResponse:
+    """D's answer (a 200): its body is read whole (``read()``) or relayed as it arrives (``relay()``,
+    ``wait()``, ``pause()``/``resume()`` for back-pressure). ``close()`` frees both engines' sides."""
+
+    __slots__ = ("_d", "_p", "content_type", "status")
+
+    def __init__(self, decode: Exchange, prefill: Exchange | None = None) -> None:
+        self._d = decode
+        self._p = prefill
+        self.status = decode.status
+        self.content_type = decode.content_type
+
+    async def read(self) -> bytes:
+        return await self._d.read()
+
+    def relay(self, sink: Callable[[bytes], None]) -> None:
+        self._d.relay(sink)
+
+    async def wait(self) -> None:
+        """Until the body is complete or paused; raises EngineError if the engine failed."""
+        await self._d.wait()
+
+    @property
+    def paused(self) -> bool:
+        return self._d.paused
+
+    def pause(self) -> None:
+        self._d.pause()
+
+    def resume(self) -> None:
+        self._d.resume()
+
+    def abort(self, error: EngineError) -> None:
+        self._d.abort(error)
+
+    async def close(self) -> None:
+        self._d.abort()  # a no-op once the body is complete
+        if self._p is not None:
+            self._p.abort()
+
+
+def _failure(ex: Exchange, who: str) -> EngineError | None:
+    """What the client should see for an engine's answer, or None if it was a 200."""
+    if ex.error is not None and not ex.status:
+        err = ex.error
+        return EngineError(f"{who}: {err.message}", status=err.status, kind=err.kind, body=err.body)
+    if ex.status == 200:
+        return None
+    body = ex.body
+    status = ex.status if 400 <= ex.status < 500 and ex.status != 429 else 502
+    return EngineError(
+        f"{who} answered HTTP {ex.status}: {body[:300].decode(errors='replace')}",
+        status=status,
+        kind="status",
+        body=body,
+    )
+
+
+async def _answer(ex: Exchange, who: str) -> None:
+    """Wait for ``ex``'s head; raise EngineError unless it is a 200 (reading the error body)."""
+    try:
+        await ex.head()
+        if ex.status != 200:
+            await ex.wait()
+    except EngineError:
+        pass  # described by _failure
+    failure = _failure(ex, who)
+    if failure is not None:
+        ex.abort()
+        raise failure
+
+
+def with_bootstrap(raw: bytes | None, body: Mapping[str, Any], host: str, port: int, room: int) -> bytes:
+    """The request for P and D: the client's JSON plus bootstrap_host/port/room.
+
+    When the client's own bytes end in ``}`` and carry no bootstrap field, the three fields are
+    appended to them: re-encoding the whole body with ``json.dumps`` is a visible share of the
+    master's CPU per request. Otherwise the parsed body is encoded afresh.
+    """
+    if raw is not None and b"bootstrap_" not in raw:
+        head = raw.rstrip()
+        if head.endswith(b"}"):
+            fields = (
+                f'"bootstrap_host":{json.dumps(host)},"bootstrap_port":{int(port)},"bootstrap_room":{room}}}'
+            )
+            return head[:-1] + (b"," if body else b"") + fields.encode()
+    routed = dict(body)
+    routed["bootstrap_host"] = host
+    routed["bootstrap_port"] = port
+    routed["bootstrap_room"] = room
+    return json.dumps(routed).encode()
+
+
+class Dispatch:
+    """A PD protocol: ``open()`` sends one request to its P and D and returns D's 200 answer, or raises
+    EngineError with what the client should see."""
+
+    protocol = ""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+
+    async def open(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        prefill: EngineNode,
+        decode: EngineNode,
+        headers: Mapping[str, str],
+        raw: bytes | None = None,
+    ) -> EngineResponse:
+        """``raw``: the client's JSON text of ``body``, reused (not re-encoded) when possible."""
+        raise NotImplementedError
+
+
+class SGLangDispatch(Dispatch):
+    protocol = "sglang"
+
+    async def open(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        prefill: EngineNode,
+        decode: EngineNode,
+        headers: Mapping[str, str],
+        raw: bytes | None = None,
+    ) -> EngineResponse:
+        port = prefill.bootstrap_port
+        if port is None:
+            raise EngineError(
+                f"prefill node {prefill.node_id} registered no bootstrap_port", status=503, kind="config"
+            )
+        data = with_bootstrap(raw, body, origin(prefill.endpoint).host, port, random.getrandbits(63))
+        # The same body goes to P and D at once; P's answer is dropped as it arrives.
+        p = await self.pool.send(prefill.endpoint, path, data, headers, discard=True)
+        try:
+            d = await self.pool.send(decode.endpoint, path, data, headers)
+        except BaseException:
+            p.abort()
+            raise
+        who = f"prefill {prefill.node_id}"
+
+        def prefill_done(ex: Exchange) -> None:
+            failure = _failure(ex, who)
+            if failure is not None and not d.status:
+                # D would wait for a KV transfer that never comes: stop waiting for its answer.
+                d.abort(failure)
+
+        p.on_done(prefill_done)
+        try:
+            await _answer(d, f"decode {decode.node_id}")
+        except BaseException:
+            p.abort()
+            raise
+        return EngineResponse(d, p)
+
+
+_KV_PREFILL = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+class VLLMDispatch(Dispatch):
+    protocol = "vllm"
+
+    async def open(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        prefill: EngineNode,
+        decode: EngineNode,
+        headers: Mapping[str, str],
+        raw: bytes | None = None,
+    ) -> EngineResponse:
+        p_body = dict(body)
+        p_body["stream"] = False
+        p_body.pop("stream_options", None)
+        p_body["max_tokens"] = 1
+        if "max_completion_tokens" in p_body:
+            p_body["max_completion_tokens"] = 1
+        if "sampling_params" in p_body and isinstance(p_body["sampling_params"], dict):
+            p_body["sampling_params"] = {**p_body["sampling_params"], "max_new_tokens": 1, "n": 1}
+        p_body["n"] = 1
+        p_body["kv_transfer_params"] = dict(_KV_PREFILL)
+        p = await self.pool.send(prefill.endpoint, path, json.dumps(p_body).encode(), headers)
+        try:
+            await _answer(p, f"prefill {prefill.node_id}")
+            answer_bytes = await p.read()
+        except BaseException:
+            p.abort()
+            raise
+        try:
+            answer = json.loads(answer_bytes)
+        except ValueError:
+            answer = None
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(params, dict):
+            raise EngineError(f"prefill {prefill.node_id} returned no kv_transfer_params", kind="protocol")
+        d_body = dict(body)
+        d_body["kv_transfer_params"] = params
+        d = await self.pool.send(decode.endpoint, path, json.dumps(d_body).encode(), headers)
+        try:
+            await _answer(d, f"decode {decode.node_id}")
+        except BaseException:
+            d.abort()
+            raise
+        return EngineResponse(d)
+
+
+PROTOCOLS: dict[str, type[Dispatch]] = {"sglang": SGLangDispatch, "vllm": VLLMDispatch}
+
+
+def make_dispatch(protocol: str, pool: EnginePool) -> Dispatch:
+    try:
+        return PROTOCOLS[protocol](pool)
+    except KeyError:
+        raise ValueError(f"unknown engine protocol {protocol!r} (one of {', '.join(PROTOCOLS)})") from None

@@ -1,0 +1,23 @@
+"""The one error type of the engine client."""
+
+from __future__ import annotations
+
+__all__ = ["EngineError"]
+
+
+class EngineError(Exception):
+    """An exchange with an engine failed.
+
+    ``status`` is what the client should see: 502 when the engine was unreachable, broke the protocol
+    or closed the connection; 504 when it did not answer in time; 503 when the node cannot serve the
+    request as registered; or the engine's own 4xx. ``kind`` names the failure for logs and metrics
+    (``connect``, ``timeout``, ``closed``, ``protocol``, ``status``, ``aborted``, ``config``).
+    ``body`` holds an error answer's body when there was one.
+    """
+
+    def __init__(self, message: str, *, status: int = 502, kind: str = "closed", body: bytes | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.kind = kind
+        self.body = body

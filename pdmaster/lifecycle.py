@@ -1,0 +1,43 @@
+"""The master's one notion of draining, and the count of requests in flight that a drain waits for.
+
+The HTTP API refuses new requests while draining, readiness reports it, and the gRPC service tells
+the agents in its Acks (so they can take this master out of the split once its queue is empty).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+__all__ = ["Lifecycle"]
+
+
+class Lifecycle:
+    def __init__(self) -> None:
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def start_draining(self) -> bool:
+        """Returns False when the master was draining already."""
+        if self.draining:
+            return False
+        self.draining = True
+        return True
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Until no request is in flight; False when ``timeout`` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True

@@ -1,0 +1,138 @@
+"""The request path, as named stages over a :class:`~pdmaster.context.RequestContext`:
+
+classify → admit → route → dispatch → relay.
+
+* classify: the prompt's prefix estimate (made once, reused for routing) and the session decide the
+  admission class (``classify``);
+* admit: the admission lease, held by an ``async with`` block, so a client that goes away (aiohttp
+  cancels the handler), an engine error or a bug all release it; its placement is the decode node;
+* route: the prefill node (``routing``);
+* dispatch: the request goes to P and D with the configured PD protocol (``engine``);
+* relay: D's answer goes back to the client (``relay``).
+
+Parsing and HTTP errors are the API's (``api``): a stage that fails raises ``RequestFailed``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from pdmaster.admission_controller import AdmissionController, AdmissionRejected
+from pdmaster.context import RequestContext, RequestFailed
+from pdmaster.engine import Dispatch, EngineError, EnginePool, EngineResponse
+from pdmaster.lifecycle import Lifecycle
+from pdmaster.metrics import RequestMetrics
+from pdmaster.relay import relay_body, relay_stream
+from pdmaster.routing import Router
+
+__all__ = ["RequestPipeline"]
+
+
+class RequestPipeline:
+    def __init__(
+        self,
+        *,
+        router: Router,
+        admission: AdmissionController,
+        dispatch_factory: Callable[[EnginePool], Dispatch],
+        lifecycle: Lifecycle,
+        metrics: RequestMetrics,
+    ) -> None:
+        self.router = router
+        self.admission = admission
+        self.dispatch_factory = dispatch_factory
+        self.lifecycle = lifecycle
+        self.metrics = metrics
+        self._pool: EnginePool | None = None
+        self._dispatch: Dispatch | None = None
+
+    async def open(self) -> None:
+        self._pool = EnginePool()
+        self._dispatch = self.dispatch_factory(self._pool)
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+
+    async def serve(self, ctx: RequestContext) -> web.StreamResponse:
+        self.classify(ctx)
+        self.lifecycle.enter()
+        try:
+            assert ctx.request_class is not None
+            try:
+                async with self.admission.acquire(
+                    slots=ctx.parsed.n, request_class=ctx.request_class, session_id=ctx.session_id
+                ) as lease:
+                    ctx.lease = lease
+                    self.route(ctx)
+                    answer = await self.dispatch(ctx)
+                    try:
+                        return await self.relay(ctx, answer)
+                    finally:
+                        await answer.close()
+            except AdmissionRejected as exc:
+                raise RequestFailed(
+                    exc.status, exc.message, code=exc.code, retry_after=exc.retry_after
+                ) from None
+        finally:
+            self.lifecycle.leave()
+            ctx.metrics.duration.observe(time.perf_counter() - ctx.arrived)
+
+    # -- stages ---------------------------------------------------------------------------------
+    def classify(self, ctx: RequestContext) -> None:
+        parsed = ctx.parsed
+        ctx.hashes, ctx.estimate = self.router.estimate(
+            parsed.input_ids if parsed.input_ids is not None else parsed.prompt_text
+        )
+        ctx.request_class = self.admission.classify(ctx.session_id, ctx.estimate.hit_ratio)
+        self.metrics.classified(ctx.request_class.name.lower())
+
+    def route(self, ctx: RequestContext) -> None:
+        assert ctx.lease is not None and ctx.estimate is not None and ctx.request_class is not None
+        decode = self.router.decode(ctx.lease.node)
+        prefill = self.router.prefill(ctx.estimate)
+        if decode is None or prefill is None:
+            what = "prefill" if prefill is None else "decode"
+            raise RequestFailed(503, f"no {what} node available", retry_after=1)
+        ctx.prefill, ctx.decode = prefill, decode
+        ctx.headers = {
+            "X-Request-Id": ctx.request_id,
+            "X-Admission-Class": ctx.request_class.value,
+            "X-Admission-Wait-Ms": f"{ctx.lease.wait_s * 1000:.1f}",
+            "X-Decode-Node": decode.node_id,
+            "X-Prefill-Node": prefill.node_id,
+        }
+
+    async def dispatch(self, ctx: RequestContext) -> EngineResponse:
+        assert self._dispatch is not None and ctx.prefill is not None and ctx.decode is not None
+        prefill = ctx.prefill
+        self.router.routed(prefill, ctx.hashes)
+        try:
+            return await self._dispatch.open(
+                ctx.endpoint, ctx.parsed.body, prefill, ctx.decode, ctx.engine_headers(), ctx.raw
+            )
+        except EngineError as exc:
+            raise RequestFailed(
+                exc.status, exc.message, type_="upstream_error", code="upstream_failed"
+            ) from None
+        finally:
+            self.router.prefill_done(prefill)
+
+    async def relay(self, ctx: RequestContext, answer: EngineResponse) -> web.StreamResponse:
+        def first_output() -> None:
+            self.admission.observe_output(ctx.session_id)
+
+        try:
+            if ctx.parsed.stream:
+                return await relay_stream(
+                    ctx.request, answer, ctx.headers, ctx.metrics, ctx.arrived, first_output
+                )
+            return await relay_body(answer, ctx.headers, ctx.metrics, ctx.arrived, first_output)
+        except (EngineError, OSError) as exc:
+            assert ctx.decode is not None
+            raise RequestFailed(
+                502, f"decode {ctx.decode.node_id} failed: {exc}", type_="upstream_error"
+            ) from None
