@@ -11,6 +11,8 @@ process. Contenders, interleaved in a rotating order inside every repetition:
   instead of uvloop, to show what the loop alone is worth.
 * ``sglang-router``: ``sglang_router.launch_router --pd-disaggregation`` (installed by this script
   into bench/.venv-sglang-router), default policies.
+* ``pdmaster-baseline`` (with ``--baseline REF``): the master of git revision REF (checked out into a
+  temporary worktree and imported from there), same engines, same run: an A/B of a change.
 
 Writes bench/results/proxy.json and bench/results/proxy.png.
 """
@@ -122,12 +124,13 @@ def top_frames(raw: Path, n: int = 25) -> list[tuple[str, float]]:
 # Where the master's main-thread samples go, first matching rule wins (leaf frame unless noted).
 _SHARE_RULES: list[tuple[str, Callable[[list[str]], bool]]] = [
     ("uvloop/asyncio C code (epoll, reads, callbacks)", lambda f: f[-1].startswith("Runner.run")),
-    ("writing streamed events to the client", lambda f: "_relay_stream.<locals>.sink" in f[-1]),
+    ("writing streamed events to the client", lambda f: "relay_stream.<locals>.sink" in f[-1]),
     ("writing the engine requests", lambda f: f[-1].startswith("_Connection.send")),
     ("aiohttp's own writes (head, end of stream)", lambda f: "StreamWriter._write" in f[-1]),
     ("admission", lambda f: any("admission" in x for x in f)),
-    ("engine client Python (pdmaster/upstream.py)", lambda f: any("upstream.py" in x for x in f)),
-    ("data plane and dispatch, own code", lambda f: "dataplane.py" in f[-1] or "dispatch.py" in f[-1]),
+    ("engine client Python (pdmaster/engine/)", lambda f: any("/engine/" in x for x in f)),
+    ("request path, own code (api, pipeline, routing, relay)",
+     lambda f: any(k in f[-1] for k in ("api.py", "pipeline.py", "routing.py", "relay.py"))),
     ("aiohttp server (parsing, routing, request objects)", lambda f: "aiohttp" in f[-1]),
     ("JSON, validation, prefix index, metrics",
      lambda f: any(k in f[-1] for k in ("json", "validation", "prefix_index", "prometheus"))),
@@ -159,6 +162,26 @@ def profile_shares(raw: Path) -> dict[str, Any]:
     }
 
 
+def git_commit(ref: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", ref], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def checkout_baseline(ref: str) -> str:
+    """A detached worktree of ``ref`` under the temp dir (reused when it is already there)."""
+    commit = git_commit(ref)
+    tree = Path(tempfile.gettempdir()) / f"pdcoord-baseline-{commit[:12]}"
+    if not (tree / "pdmaster").is_dir():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=True)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), commit],
+            check=True,
+            capture_output=True,
+        )
+    return str(tree)
+
+
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (utime + stime) of each thread of *pid*, keyed "name/tid"."""
     out: dict[str, float] = {}
@@ -184,6 +207,12 @@ def main() -> None:
     p.add_argument(
         "--profile", action="store_true", help="py-spy pdmaster during one extra run at the top load"
     )
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="REF",
+        help="also run the master of git revision REF as contender pdmaster-baseline (A/B of a change)",
+    )
     p.add_argument("--out", default="proxy.json")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--replot", action="store_true", help="only redraw the PNG from the --out JSON")
@@ -196,6 +225,11 @@ def main() -> None:
         return
     concs = [int(x) for x in args.concurrency.split(",")]
     contenders = args.contenders.split(",")
+    baseline_tree: str | None = None
+    if args.baseline:
+        baseline_tree = checkout_baseline(args.baseline)
+        if "pdmaster-baseline" not in contenders:
+            contenders.append("pdmaster-baseline")
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="pdcoord-proxybench-")
     env = environment()
     notes: dict[str, Any] = {}
@@ -248,6 +282,20 @@ def main() -> None:
             c2.wait_for(lambda: c2.full_capacity_held(["a1"], {"ap1": CAPACITY, "ad1": CAPACITY}), timeout=30)
             urls["pdmaster-asyncio"] = ["--url", m2.url]
             router_pid["pdmaster-asyncio"] = m2.proc.pid
+        if baseline_tree is not None:
+            # The baseline's master in a cluster of its own (agents of today's code on the same
+            # engines: the wire protocol is the same), importing pdmaster from the baseline tree.
+            # PYTHONSAFEPATH keeps the working directory off sys.path, so PYTHONPATH wins.
+            c3 = LocalCluster(group, etcd.endpoint, "proxybench-baseline")
+            m3 = c3.start_master("b1", env={**os.environ, "PYTHONPATH": baseline_tree, "PYTHONSAFEPATH": "1"})
+            for node, eng in (("bp1", pre), ("bd1", dec)):
+                c3.start_agent(
+                    node, eng.role, endpoint=eng.url, capacity=CAPACITY, bootstrap_port=eng.bootstrap_port
+                )
+            c3.wait_for(lambda: c3.full_capacity_held(["b1"], {"bp1": CAPACITY, "bd1": CAPACITY}), timeout=30)
+            urls["pdmaster-baseline"] = ["--url", m3.url]
+            router_pid["pdmaster-baseline"] = m3.proc.pid
+            notes["baseline"] = {"ref": args.baseline, "commit": git_commit(args.baseline)}
         engines = {"prefill": pre.proc.pid, "decode": dec.proc.pid}
         print(f"cluster up; logs in {log_dir}; contenders {contenders}", flush=True)
 
