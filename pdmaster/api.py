@@ -9,11 +9,9 @@ The OpenAI routes read and parse the request (``validation``) and hand it to the
 from __future__ import annotations
 
 import hmac
-import itertools
 import json
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +22,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from pdmaster.context import RequestContext, RequestFailed
+from pdmaster.engine.dispatch import PROTOCOLS
 from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import RequestMetrics
 from pdmaster.registry import DECODE, PREFILL, NodeRegistry
@@ -257,16 +256,15 @@ class OpenAIRoutes:
         limits: Limits,
         lifecycle: Lifecycle,
         metrics: RequestMetrics,
+        engine_protocol: str = "sglang",
     ) -> None:
         self.pipeline = pipeline
         self.registry = registry
         self.limits = limits
         self.lifecycle = lifecycle
         self.metrics = metrics
-        # Request ids: a random per-process prefix and a counter, unique across masters and
-        # restarts without reading the system's random source per request (uuid4 does).
-        self._id_prefix = uuid.uuid4().hex[:16]
-        self._ids = itertools.count(1)
+        self.protocol = engine_protocol
+        self.protocol_routes = PROTOCOLS[engine_protocol].routes
 
     def install(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -328,6 +326,14 @@ class OpenAIRoutes:
             return self._error(endpoint, 413, f"request body exceeds {limit} bytes (--max-body-bytes)")
         except RequestPayloadError as exc:  # e.g. Content-Encoding: gzip over a body that is not gzip
             return self._error(endpoint, 400, f"request body could not be read: {exc}".replace("\n", " "))
+        if endpoint not in self.protocol_routes:
+            return self._error(
+                endpoint,
+                400,
+                f"{endpoint} is not served by {self.protocol} engines (--engine-protocol {self.protocol}); "
+                "use /v1/completions or /v1/chat/completions",
+                code="unsupported_by_engine_protocol",
+            )
         try:
             parsed = parser(raw, self.limits)
         except InvalidRequest as exc:
@@ -345,7 +351,7 @@ class OpenAIRoutes:
             parsed=parsed,
             raw=raw,
             session_id=session_id,
-            request_id=request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._ids):016x}",
+            request_id=request.headers.get("X-Request-Id") or self.pipeline.new_id(),
         )
         try:
             return await self.pipeline.serve(ctx)

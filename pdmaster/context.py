@@ -27,7 +27,8 @@ class RequestContext:
     parsed: ParsedRequest
     raw: bytes  # the client's JSON text, reused for the engines when possible
     session_id: str | None
-    request_id: str
+    request_id: str  # the client's X-Request-Id (or ours): logs and the response header
+    engine_request_id: str = ""  # fresh per dispatch: engines key their own state by it
     # Filled in by the stages, in order.
     hashes: list[int] = field(default_factory=list)
     estimate: PrefixEstimate[str] | None = None
@@ -38,7 +39,7 @@ class RequestContext:
     headers: dict[str, str] = field(default_factory=dict)  # for the client's response
 
     def engine_headers(self) -> dict[str, str]:
-        return {"X-Request-Id": self.request_id, "Content-Type": "application/json"}
+        return {"X-Request-Id": self.engine_request_id, "Content-Type": "application/json"}
 
 
 class RequestFailed(Exception):

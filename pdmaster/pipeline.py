@@ -15,7 +15,10 @@ Parsing and HTTP errors are the API's (``api``): a stage that fails raises ``Req
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
+import uuid
 from collections.abc import Callable
 
 from aiohttp import web
@@ -29,6 +32,8 @@ from pdmaster.relay import relay_body, relay_stream
 from pdmaster.routing import Router
 
 __all__ = ["RequestPipeline"]
+
+log = logging.getLogger(__name__)
 
 
 class RequestPipeline:
@@ -48,6 +53,13 @@ class RequestPipeline:
         self.metrics = metrics
         self._pool: EnginePool | None = None
         self._dispatch: Dispatch | None = None
+        # Ids: a random per-process prefix and a counter, unique across masters and restarts
+        # without reading the system's random source per request (uuid4 does).
+        self._id_prefix = uuid.uuid4().hex[:16]
+        self._ids = itertools.count(1)
+
+    def new_id(self) -> str:
+        return f"{self._id_prefix}{next(self._ids):016x}"
 
     async def open(self) -> None:
         self._pool = EnginePool()
@@ -109,12 +121,23 @@ class RequestPipeline:
     async def dispatch(self, ctx: RequestContext) -> EngineResponse:
         assert self._dispatch is not None and ctx.prefill is not None and ctx.decode is not None
         prefill = ctx.prefill
+        # A fresh id per dispatch: two clients reusing an X-Request-Id must not collide inside an
+        # engine (vLLM keys its requests by it); the client's id stays in the response and the logs.
+        ctx.engine_request_id = self.new_id()
         self.router.routed(prefill, ctx.hashes)
         try:
             return await self._dispatch.open(
                 ctx.endpoint, ctx.parsed.body, prefill, ctx.decode, ctx.engine_headers(), ctx.raw
             )
         except EngineError as exc:
+            log.info(
+                "request %s (engine id %s) failed on prefill %s / decode %s: %s",
+                ctx.request_id,
+                ctx.engine_request_id,
+                prefill.node_id,
+                ctx.decode.node_id,
+                exc.message,
+            )
             raise RequestFailed(
                 exc.status, exc.message, type_="upstream_error", code="upstream_failed"
             ) from None

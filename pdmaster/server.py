@@ -141,6 +141,7 @@ class MasterServer:
             limits=self.config.limits,
             lifecycle=self.lifecycle,
             metrics=self.request_metrics,
+            engine_protocol=self.config.engine_protocol,
         ).install(app)
         return app
 

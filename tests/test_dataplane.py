@@ -124,6 +124,12 @@ def test_openai_client_streams_chat_and_completions(fleet: Fleet) -> None:
 def test_generate_with_sglang_request_shape(fleet: Fleet) -> None:
     body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
     r = post(fleet.url + "/generate", body)
+    if fleet.protocol == "vllm":
+        # vLLM has no /generate: refused by name, not sent to a route the engines would 404.
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "unsupported_by_engine_protocol" and "vllm" in err["message"]
+        return
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["text"] and out["meta_info"]["completion_tokens"] == 6

@@ -138,6 +138,8 @@ class Dispatch:
     EngineError with what the client should see."""
 
     protocol = ""
+    # The client routes this protocol's engines serve (the API refuses the others with a 400).
+    routes: frozenset[str] = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
 
     def __init__(self, pool: EnginePool) -> None:
         self.pool = pool
@@ -209,6 +211,7 @@ _KV_PREFILL = {
 
 class VLLMDispatch(Dispatch):
     protocol = "vllm"
+    routes = frozenset({"/v1/chat/completions", "/v1/completions"})  # vLLM has no /generate
 
     async def open(
         self,
@@ -222,6 +225,9 @@ class VLLMDispatch(Dispatch):
         p_body = dict(body)
         p_body["stream"] = False
         p_body.pop("stream_options", None)
+        # vLLM refuses min_tokens > max_tokens: P computes one token, D keeps the client's minimum.
+        p_body.pop("min_tokens", None)
+        p_body.pop("min_completion_tokens", None)
         p_body["max_tokens"] = 1
         if "max_completion_tokens" in p_body:
             p_body["max_completion_tokens"] = 1
