@@ -87,7 +87,9 @@ class MasterConfig:
             max_headers=args.max_headers,
             max_start_args=args.max_start_args,
             max_start_arg_bytes=args.max_start_arg_bytes,
-            limits=Limits(max_n=args.max_n, max_tokens=args.max_tokens, model=args.model),
+            limits=Limits(
+                max_n=args.max_n, max_tokens=args.max_tokens, model=args.model, max_batch=args.max_batch
+            ),
             engine_protocol=args.engine_protocol,
             prefill_selection=args.prefill_selection,
             admission=policy_from_args(args),

@@ -116,6 +116,9 @@ def build_parser() -> EnvArgumentParser:
     )
     g.add_argument("--max-n", type=positive_int, default=16, help="largest n (choices) per request")
     g.add_argument("--max-tokens", type=positive_int, default=32768, help="largest max_tokens per request")
+    g.add_argument(
+        "--max-batch", type=positive_int, default=64, help="most prompts in one batch (a list of prompts)"
+    )
     g = p.add_argument_group("data plane")
     g.add_argument(
         "--engine-protocol",

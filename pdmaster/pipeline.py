@@ -15,6 +15,7 @@ Parsing and HTTP errors are the API's (``api``): a stage that fails raises ``Req
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -26,9 +27,10 @@ from aiohttp import web
 from pdmaster.admission_controller import AdmissionController, AdmissionRejected
 from pdmaster.context import RequestContext, RequestFailed
 from pdmaster.engine import Dispatch, EngineError, EnginePool, EngineResponse
+from pdmaster.fanout import Part, split
 from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import RequestMetrics
-from pdmaster.relay import relay_body, relay_stream
+from pdmaster.relay import relay_body, relay_parts_body, relay_parts_stream, relay_stream
 from pdmaster.routing import Router
 
 __all__ = ["RequestPipeline"]
@@ -76,10 +78,13 @@ class RequestPipeline:
             assert ctx.request_class is not None
             try:
                 async with self.admission.acquire(
-                    slots=ctx.parsed.n, request_class=ctx.request_class, session_id=ctx.session_id
+                    slots=ctx.parsed.slots, request_class=ctx.request_class, session_id=ctx.session_id
                 ) as lease:
                     ctx.lease = lease
                     self.route(ctx)
+                    parts = self.split(ctx)
+                    if parts is not None:
+                        return await self.serve_parts(ctx, parts)
                     answer = await self.dispatch(ctx)
                     try:
                         return await self.relay(ctx, answer)
@@ -143,6 +148,54 @@ class RequestPipeline:
             ) from None
         finally:
             self.router.prefill_done(prefill)
+
+    # -- requests the engines take in parts (n > 1 on SGLang, batches; see fanout) -------------------
+    def split(self, ctx: RequestContext) -> list[Part] | None:
+        parsed = ctx.parsed
+        if parsed.n == 1 and parsed.prompts is None:
+            return None  # the common case, without a call
+        assert self._dispatch is not None
+        return split(parsed, split_samples=self._dispatch.split_samples)
+
+    async def serve_parts(self, ctx: RequestContext, parts: list[Part]) -> web.StreamResponse:
+        assert self._dispatch is not None and ctx.prefill is not None and ctx.decode is not None
+        prefill, decode, dispatch = ctx.prefill, ctx.decode, self._dispatch
+        self.router.routed(prefill, ctx.hashes)
+
+        async def one(part: Part) -> EngineResponse:
+            headers = {"X-Request-Id": self.new_id(), "Content-Type": "application/json"}
+            return await dispatch.open(ctx.endpoint, part.body, prefill, decode, headers)
+
+        try:
+            results = await asyncio.gather(*(one(p) for p in parts), return_exceptions=True)
+        finally:
+            self.router.prefill_done(prefill)
+        answers = [r for r in results if isinstance(r, EngineResponse)]
+        try:
+            failure = next((r for r in results if isinstance(r, BaseException)), None)
+            if failure is not None:
+                if not isinstance(failure, EngineError):
+                    raise failure
+                log.info("request %s: a part failed: %s", ctx.request_id, failure.message)
+                raise RequestFailed(
+                    failure.status, failure.message, type_="upstream_error", code="upstream_failed"
+                )
+            if ctx.parsed.stream:
+                return await relay_parts_stream(
+                    ctx.request, ctx.parsed.kind, parts, answers, ctx.headers, ctx.metrics, ctx.arrived,
+                    lambda: self.admission.observe_output(ctx.session_id),
+                )  # fmt: skip
+            return await relay_parts_body(
+                ctx.parsed.kind, parts, answers, ctx.headers, ctx.metrics, ctx.arrived,
+                lambda: self.admission.observe_output(ctx.session_id),
+            )  # fmt: skip
+        except (EngineError, OSError) as exc:
+            raise RequestFailed(
+                502, f"decode {decode.node_id} failed: {exc}", type_="upstream_error"
+            ) from None
+        finally:
+            for a in answers:
+                await a.close()
 
     async def relay(self, ctx: RequestContext, answer: EngineResponse) -> web.StreamResponse:
         def first_output() -> None:

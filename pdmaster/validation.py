@@ -22,6 +22,7 @@ class Limits:
     max_n: int = 16
     max_tokens: int = 32768
     model: str | None = None
+    max_batch: int = 64  # prompts in one batch request
 
 
 @dataclass
@@ -31,8 +32,14 @@ class ParsedRequest:
     n: int
     stream: bool
     max_tokens: int | None
-    prompt_text: str
+    prompt_text: str  # the (first) prompt, for the prefix estimate
     input_ids: list[int] | None
+    prompts: list[str | list[int]] | None = None  # a batch: one entry per prompt
+
+    @property
+    def slots(self) -> int:
+        """Decode slots the request needs at once: n per prompt."""
+        return self.n * (len(self.prompts) if self.prompts is not None else 1)
 
 
 def _int(value: Any, name: str, lo: int, hi: int) -> int:
@@ -155,33 +162,67 @@ def parse_chat(raw: bytes, limits: Limits) -> ParsedRequest:
     return ParsedRequest("chat", body, n, stream, max_tokens, "".join(parts), None)
 
 
+def _batch(items: list[Any], name: str, limits: Limits) -> list[str | list[int]]:
+    """A list of prompts: strings or arrays of token ids."""
+    if len(items) > limits.max_batch:
+        raise InvalidRequest(
+            f"'{name}' holds {len(items)} prompts, at most {limits.max_batch} per request", param=name
+        )
+    out: list[str | list[int]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        ids = _token_ids(item, f"{name}[{i}]")
+        if ids is None:
+            raise InvalidRequest(
+                f"'{name}[{i}]' must be a string or a non-empty array of token ids", param=name
+            )
+        out.append(ids)
+    return out
+
+
 def parse_completion(raw: bytes, limits: Limits) -> ParsedRequest:
     body = decode_json(raw)
     _check_model(body, limits, required=False)
     prompt = body.get("prompt")
     ids = _token_ids(prompt, "prompt")
+    batch: list[str | list[int]] | None = None
     if ids is None:
         if isinstance(prompt, list) and len(prompt) == 1:
             ids = _token_ids(prompt[0], "prompt")
             prompt = prompt[0] if ids is None else prompt
+        if isinstance(prompt, list) and len(prompt) > 1:
+            batch = _batch(prompt, "prompt", limits)
+            prompt = batch[0]
+            ids = prompt if isinstance(prompt, list) else None
         if ids is None and not isinstance(prompt, str):
             raise InvalidRequest(
-                "'prompt' must be a string or an array of token ids (one prompt per request)", param="prompt"
+                "'prompt' must be a string, an array of token ids, or an array of those (a batch)",
+                param="prompt",
             )
     n, stream, max_tokens = _common(body, limits)
     text = prompt if isinstance(prompt, str) else ""
-    return ParsedRequest("completion", body, n, stream, max_tokens, text, ids)
+    return ParsedRequest("completion", body, n, stream, max_tokens, text, ids, batch)
 
 
 def parse_generate(raw: bytes, limits: Limits) -> ParsedRequest:
     body = decode_json(raw)
     text = body.get("text")
-    ids = _token_ids(body.get("input_ids"), "input_ids")
-    if ids is None and body.get("input_ids") is not None:
+    raw_ids = body.get("input_ids")
+    batch: list[str | list[int]] | None = None
+    ids = _token_ids(raw_ids, "input_ids")
+    if ids is None and isinstance(raw_ids, list) and raw_ids and all(isinstance(x, list) for x in raw_ids):
+        batch = _batch(raw_ids, "input_ids", limits) if len(raw_ids) > 1 else None
+        ids = _token_ids(raw_ids[0], "input_ids")
+    if ids is None and raw_ids is not None:
         raise InvalidRequest("'input_ids' must be a non-empty array of token ids", param="input_ids")
+    if ids is None and isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+        batch = _batch(text, "text", limits) if len(text) > 1 else None
+        text = text[0]
     if ids is None and not isinstance(text, str):
         raise InvalidRequest(
-            "'text' (a string) or 'input_ids' is required (one prompt per request)", param="text"
+            "'text' (a string or an array of strings) or 'input_ids' is required", param="text"
         )
     sp = body.get("sampling_params", {})
     if sp is None:
@@ -194,4 +235,12 @@ def parse_generate(raw: bytes, limits: Limits) -> ParsedRequest:
         max_tokens = _int(sp["max_new_tokens"], "sampling_params.max_new_tokens", 1, limits.max_tokens)
     _number(sp, "temperature", 0.0, 100.0)
     stream = _bool(body, "stream")
-    return ParsedRequest("generate", body, n, stream, max_tokens, text if isinstance(text, str) else "", ids)
+    text = text if isinstance(text, str) else ""
+    if batch is None and (isinstance(body.get("text"), list) or _nested(raw_ids)):
+        # a batch of one: the engines get the plain form
+        body = {**body, "text": text} if isinstance(body.get("text"), list) else {**body, "input_ids": ids}
+    return ParsedRequest("generate", body, n, stream, max_tokens, text, ids, batch)
+
+
+def _nested(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and isinstance(v[0], list)

@@ -121,6 +121,22 @@ def test_openai_client_streams_chat_and_completions(fleet: Fleet) -> None:
     assert [m.id for m in models.data] == ["sim"]
 
 
+def test_batches_and_n_are_served_as_one_gang(fleet: Fleet) -> None:
+    """A list of prompts with n samples each: one gang of prompts x n slots, choices numbered prompt
+    by prompt (SGLang gets one request per sample, each with its own bootstrap room)."""
+    client = fleet.client()
+    # This master holds 4 slots on d1 (the other master holds the rest): gangs of up to 4.
+    out = client.completions.create(model="sim", prompt=["one", "two"], n=2, max_tokens=3)
+    assert sorted(c.index for c in out.choices) == list(range(4)) and all(c.text for c in out.choices)
+    assert out.usage is not None and out.usage.completion_tokens == 4 * 3
+    chunks = list(client.completions.create(model="sim", prompt=["a", "b", "c"], max_tokens=3, stream=True))
+    assert {c.index for ch in chunks for c in ch.choices} == set(range(3))
+    r = post(
+        fleet.url + "/v1/completions", {"model": "sim", "prompt": ["a", "b"], "max_tokens": 2, "stream": True}
+    )
+    assert r.status_code == 200 and r.text.count("data: [DONE]") == 1
+
+
 def test_generate_with_sglang_request_shape(fleet: Fleet) -> None:
     body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
     r = post(fleet.url + "/generate", body)
@@ -313,7 +329,9 @@ def test_bad_input_gets_a_clear_4xx(
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"]
-    if param:
+    if fleet.protocol == "vllm" and path == "/generate":
+        assert err["code"] == "unsupported_by_engine_protocol"  # refused before the body is parsed
+    elif param:
         assert err["param"] == param
 
 

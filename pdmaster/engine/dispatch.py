@@ -138,6 +138,8 @@ class Dispatch:
     EngineError with what the client should see."""
 
     protocol = ""
+    # Whether the engines need n > 1 split into single samples (see pdmaster/fanout.py).
+    split_samples = False
     # The client routes this protocol's engines serve (the API refuses the others with a 400).
     routes: frozenset[str] = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
 
@@ -159,6 +161,7 @@ class Dispatch:
 
 class SGLangDispatch(Dispatch):
     protocol = "sglang"
+    split_samples = True  # SGLang sends every sample of a prompt with the prompt's one room
 
     async def open(
         self,
