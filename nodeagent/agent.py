@@ -22,8 +22,9 @@ from aiohttp import web
 from nodeagent.probe import LoadProbe, LoadSample
 from nodeagent.slicing import Slicer
 from pdcoord import __version__
-from pdcoord.etcd import EtcdClient, EtcdError, Registration, WatchCompacted
+from pdcoord.etcd import EtcdClient, EtcdError, WatchCompacted
 from pdcoord.keys import Keys
+from pdcoord.registration import Registration
 from pdcoord.tls import ClientTLS, grpc_channel, looks_like_tls_failure
 from pdcoord.v1 import coordination_pb2 as pb
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc

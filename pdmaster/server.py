@@ -18,8 +18,9 @@ from aiohttp.http import HttpVersion11
 from prometheus_client import CollectorRegistry
 
 from pdcoord import __version__
-from pdcoord.etcd import AlreadyRegistered, EtcdClient, Registration
+from pdcoord.etcd import EtcdClient
 from pdcoord.keys import Keys
+from pdcoord.registration import AlreadyRegistered, Registration
 from pdcoord.tls import etcd_options_from_args, server_tls_from_args
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
 from pdmaster.admission_controller import AdmissionController, policy_from_args

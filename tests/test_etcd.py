@@ -18,12 +18,9 @@ import pytest
 
 from pdcoord import etcd_server
 from pdcoord.etcd import (
-    AlreadyRegistered,
     EtcdClient,
     EtcdError,
     EtcdUnavailable,
-    LeaseKeeper,
-    Registration,
     WatchCompacted,
     WatchEvent,
     WatchRevisionReset,
@@ -31,6 +28,7 @@ from pdcoord.etcd import (
 from pdcoord.etcd_server import EtcdServerError, LocalEtcd, etcd_healthy, find_etcd_binary
 from pdcoord.keys import Keys
 from pdcoord.netutil import free_port, port_open
+from pdcoord.registration import AlreadyRegistered, LeaseKeeper, Registration
 
 # ---------------------------------------------------------------------------- keys
 

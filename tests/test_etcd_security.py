@@ -16,9 +16,10 @@ import etcd3aio
 import pytest
 
 from pdcoord.cluster import LocalCluster, http_json
-from pdcoord.etcd import EtcdAuthError, EtcdClient, EtcdTLSError, EtcdUnavailable, Registration
+from pdcoord.etcd import EtcdAuthError, EtcdClient, EtcdTLSError, EtcdUnavailable
 from pdcoord.etcd_server import EtcdServerTLS, LocalEtcd
 from pdcoord.launcher import ProcessGroup
+from pdcoord.registration import Registration
 from tests.pki import PKI, make_pki
 
 USER, PASSWORD = "pdcoord", "s3cret-pw"
