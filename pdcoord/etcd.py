@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,6 @@ import grpc
 import grpc.aio
 from etcd3aio import Etcd3Client, prefix_range_end
 from etcd3aio._protobuf import (
-    Compare,
     LeaseKeepAliveRequest,
     LeaseStub,
     WatchCreateRequest,
@@ -353,24 +351,6 @@ class EtcdClient:
             resp = await kv.put(key, _to_bytes(value), lease=lease, timeout=self.timeout)
         return int(resp.header.revision)
 
-    async def delete(self, key: str) -> bool:
-        """Delete *key*; True if it existed."""
-        with self._errors(f"delete {key}"):
-            kv = self._c().kv
-            assert kv is not None
-            resp = await kv.delete(key, timeout=self.timeout)
-        return int(resp.deleted) > 0
-
-    async def delete_prefix(self, prefix: str) -> int:
-        """Delete every key under *prefix*; returns how many were deleted."""
-        if not prefix:
-            raise ValueError("refusing to delete the empty prefix (the whole keyspace)")
-        with self._errors(f"delete prefix {prefix}"):
-            kv = self._c().kv
-            assert kv is not None
-            resp = await kv.delete(prefix, range_end=prefix_range_end(prefix), timeout=self.timeout)
-        return int(resp.deleted)
-
     async def create_if_absent(
         self, key: str, value: bytes | str, *, lease: int = 0
     ) -> tuple[bool, KeyValue | None]:
@@ -393,28 +373,6 @@ class EtcdClient:
             return True, KeyValue(key, data, rev, rev, 1, lease)
         kvs = resp.responses[0].response_range.kvs if resp.responses else []
         return False, (_kv(kvs[0]) if kvs else None)
-
-    async def compare_and_swap(
-        self, key: str, value: bytes | str, *, expected_mod_revision: int, lease: int = 0
-    ) -> bool:
-        """Write *key* only if its mod_revision is *expected_mod_revision* (0: only if absent)."""
-        if expected_mod_revision < 0:
-            raise ValueError(f"expected_mod_revision must be >= 0, got {expected_mod_revision}")
-        if expected_mod_revision == 0:
-            cmp = KVService.txn_compare_create_revision(key, 0)
-        else:
-            cmp = Compare(
-                result=Compare.EQUAL, target=Compare.MOD, key=key.encode(), mod_revision=expected_mod_revision
-            )
-        with self._errors(f"compare-and-swap {key}"):
-            kv = self._c().kv
-            assert kv is not None
-            resp = await kv.txn(
-                compare=[cmp],
-                success=[KVService.txn_op_put(key, _to_bytes(value), lease=lease)],
-                timeout=self.timeout,
-            )
-        return bool(resp.succeeded)
 
     # ---------------------------------------------------------------- leases
 
@@ -446,14 +404,6 @@ class EtcdClient:
             assert lease is not None
             resp = await lease.time_to_live(lease_id, timeout=self.timeout)
         return int(resp.TTL) if resp.TTL > 0 else -1
-
-    async def list_leases(self) -> list[int]:
-        """IDs of every lease etcd holds (for leak checks)."""
-        with self._errors("list leases"):
-            lease = self._c().lease
-            assert lease is not None
-            resp = await lease.leases(timeout=self.timeout)
-        return [int(x.ID) for x in resp.leases]
 
     async def keep_alive_once(self, lease_id: int) -> int:
         """Renew *lease_id* once; returns the TTL etcd reports (0 or less: the lease is gone)."""
@@ -556,21 +506,6 @@ class EtcdClient:
             return True
         except EtcdError:
             return False
-
-    async def wait_until_available(self, timeout: float) -> None:
-        """Poll :meth:`status` until etcd answers; EtcdUnavailable after *timeout* seconds."""
-        deadline = time.monotonic() + timeout
-        while not await self.status():
-            if time.monotonic() >= deadline:
-                raise EtcdUnavailable(f"{self.where}: not reachable after {timeout:.1f} s")
-            await asyncio.sleep(0.2)
-
-    async def compact(self, revision: int) -> None:
-        """Drop the history before *revision* (watches from older revisions then get WatchCompacted)."""
-        with self._errors(f"compact to {revision}"):
-            kv = self._c().kv
-            assert kv is not None
-            await kv.compact(revision, physical=True, timeout=self.timeout)
 
 
 __all__ = [
