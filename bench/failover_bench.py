@@ -30,9 +30,9 @@ from typing import Any
 from peers import BENCH, RESULTS, ROOT, environment, pyplot, write_json
 
 sys.path.insert(0, str(ROOT))
-from pdcoord.cluster import LocalCluster
-from pdcoord.etcd_server import LocalEtcd
-from pdcoord.launcher import ProcessGroup
+from pdcoord.dev.cluster import LocalCluster
+from pdcoord.dev.etcd_server import LocalEtcd
+from pdcoord.dev.launcher import ProcessGroup
 
 FLEET = {"p1": ("prefill", 64), "d1": ("decode", 32), "d2": ("decode", 32)}
 MODES = {"stream": {}, "stream-fast": {"handover": "fast"}, "lease-only": {"grace": 1_000_000}}

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/handover_bench.py     # writes bench/results/handover.json (+ .png)
 
-The protocol model of ``tests/protocol_sim.py`` runs the real agent core (nodeagent.slicing with
+The protocol model of ``pdcoord/dev/protocol_model.py`` runs the real agent core (nodeagent.slicing with
 strict handover), the real master cores (registry and admission) and a simulated network with no
 faults. Requests arrive as Poisson streams, 90 % at one master and 10 % at the other; each lease is
 held for an exponential time (mean 0.3 s); 5 % need 2 slots. Two decode nodes of 32 slots. Three
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pdcoord.config import EnvArgumentParser, positive_int  # noqa: E402
-from tests.protocol_sim import ProtocolSim, SimConfig  # noqa: E402
+from pdcoord.dev.protocol_model import ProtocolSim, SimConfig  # noqa: E402
 
 NODES = {"d1": 32, "d2": 32}
 CAPACITY = sum(NODES.values())

@@ -31,10 +31,10 @@ from typing import Any
 from peers import BENCH, CLK_TCK, RESULTS, ROOT, environment, median, pyplot, run_loadgen, write_json
 
 sys.path.insert(0, str(ROOT))
-from pdcoord.cluster import LocalCluster
-from pdcoord.etcd_server import LocalEtcd
-from pdcoord.launcher import ProcessGroup
-from pdcoord.netutil import free_port
+from pdcoord.dev.cluster import LocalCluster
+from pdcoord.dev.etcd_server import LocalEtcd
+from pdcoord.dev.launcher import ProcessGroup
+from pdcoord.dev.netutil import free_port
 
 SGLANG_ROUTER_VERSION = "0.3.2"
 SGLANG_VENV = BENCH / ".venv-sglang-router"

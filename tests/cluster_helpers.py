@@ -2,7 +2,7 @@
 
 ``Load`` is a small closed-loop client that runs its own asyncio loop in a background thread, so a
 test can kill and restart processes synchronously while requests are in flight. Unlike
-``pdcoord.workload.Workload`` it records what the failover assertions need: the start and end time
+``pdcoord.dev.loadgen.Workload`` it records what the failover assertions need: the start and end time
 of every request, the master it went to, whether a refusal carried ``Retry-After``, and the retries a
 load balancer would make.
 """
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from nodeagent.slicing import slice_shares
-from pdcoord.cluster import LocalCluster, http_json, scrape_metrics
-from pdcoord.workload import error_kind
+from pdcoord.dev.cluster import LocalCluster, http_json, scrape_metrics
+from pdcoord.dev.loadgen import error_kind
 
 HANG = -1  # status of a request that did not end within the client's timeout
 CONN_FAILED = 0  # status of a request whose connection failed or broke

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from pdcoord.cluster import LocalCluster
+from pdcoord.dev.cluster import LocalCluster
 from tests.cluster_helpers import (
     CONN_FAILED,
     HANG,

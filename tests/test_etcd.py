@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from pdcoord import etcd_server
+from pdcoord.dev import etcd_server
+from pdcoord.dev.etcd_server import EtcdServerError, LocalEtcd, etcd_healthy, find_etcd_binary
+from pdcoord.dev.netutil import free_port, port_open
 from pdcoord.etcd import (
     EtcdClient,
     EtcdError,
@@ -25,9 +27,7 @@ from pdcoord.etcd import (
     WatchEvent,
     WatchRevisionReset,
 )
-from pdcoord.etcd_server import EtcdServerError, LocalEtcd, etcd_healthy, find_etcd_binary
 from pdcoord.keys import Keys
-from pdcoord.netutil import free_port, port_open
 from pdcoord.registration import AlreadyRegistered, LeaseKeeper, Registration
 from tests import etcd_helpers
 
@@ -537,7 +537,7 @@ def test_local_etcd_startup_failure_shows_the_log(tmp_path: Path) -> None:
 def test_run_foreground_forwards_sigterm(tmp_path: Path) -> None:
     port = free_port()
     code = (
-        "import sys; from pdcoord.etcd_server import run_foreground; "
+        "import sys; from pdcoord.dev.etcd_server import run_foreground; "
         f"sys.exit(run_foreground({port}, {str(tmp_path / 'fg')!r}, peer_port={free_port()}))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, start_new_session=True)

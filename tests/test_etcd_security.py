@@ -15,10 +15,10 @@ from typing import Any
 import etcd3aio
 import pytest
 
-from pdcoord.cluster import LocalCluster, http_json
+from pdcoord.dev.cluster import LocalCluster, http_json
+from pdcoord.dev.etcd_server import EtcdServerTLS, LocalEtcd
+from pdcoord.dev.launcher import ProcessGroup
 from pdcoord.etcd import EtcdAuthError, EtcdClient, EtcdTLSError, EtcdUnavailable
-from pdcoord.etcd_server import EtcdServerTLS, LocalEtcd
-from pdcoord.launcher import ProcessGroup
 from pdcoord.registration import Registration
 from tests.pki import PKI, make_pki
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from pdcoord.cluster import LocalCluster
+from pdcoord.dev.cluster import LocalCluster
 from tests.cluster_helpers import HANG, Load, LoadConfig, churn_masters, ready, summarize, wait_no_leases
 from tests.test_cluster_suite import DECODE, decode_queued, load_guard, run_load, start_fleet
 

@@ -881,8 +881,8 @@ def local_demo(
 
     Yields the port map (container port → local port) of each master pod.
     """
-    from pdcoord.launcher import ProcessGroup
-    from pdcoord.netutil import free_port
+    from pdcoord.dev.launcher import ProcessGroup
+    from pdcoord.dev.netutil import free_port
 
     values = {
         "cluster": f"helm-demo-{secrets.token_hex(3)}",

@@ -15,10 +15,10 @@ import threading
 import time
 from collections import Counter, defaultdict
 
-from pdcoord.cluster import LocalCluster, scrape_metrics
-from pdcoord.etcd_server import LocalEtcd
-from pdcoord.launcher import ProcessGroup
-from pdcoord.workload import Outcome, Workload, WorkloadConfig, percentile
+from pdcoord.dev.cluster import LocalCluster, scrape_metrics
+from pdcoord.dev.etcd_server import LocalEtcd
+from pdcoord.dev.launcher import ProcessGroup
+from pdcoord.dev.loadgen import Outcome, Workload, WorkloadConfig, percentile
 
 PREFILL = {"p1": 32, "p2": 32}
 DECODE = {"d1": 8, "d2": 8, "d3": 4}
