@@ -1,8 +1,9 @@
 """Router overhead: the same pdsim P/D pair reached directly, through pdmaster and through sglang-router.
 
 One prefill and one decode pdsim (``--fast`` timing, capacity 256 each so admission never throttles),
-20 streamed tokens per request, closed-loop load at each concurrency from bench/loadgen.py in its own
-process. Contenders, interleaved in a rotating order inside every repetition:
+20 streamed tokens per request, closed-loop load at each concurrency from
+``python -m pdcoord.dev.loadgen`` in its own process. Contenders, interleaved in a rotating order
+inside every repetition:
 
 * ``direct``: the load generator does the router's work itself (fresh bootstrap_room, the same body
   to P and D at once, stream from D): the floor any PD router is measured against.
