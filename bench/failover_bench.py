@@ -27,9 +27,8 @@ import tempfile
 import time
 from typing import Any
 
-from peers import RESULTS, ROOT, environment, pyplot, write_json
+from peers import RESULTS, environment, pyplot, write_json
 
-sys.path.insert(0, str(ROOT))
 from pdcoord.dev.cluster import LocalCluster
 from pdcoord.dev.etcd_server import LocalEtcd
 from pdcoord.dev.launcher import ProcessGroup

@@ -29,9 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from peers import BENCH, CLK_TCK, RESULTS, ROOT, environment, median, pyplot, run_loadgen, write_json
+from peers import BENCH, CLK_TCK, RESULTS, environment, median, pyplot, run_loadgen, write_json
 
-sys.path.insert(0, str(ROOT))
 from pdcoord.dev.cluster import LocalCluster
 from pdcoord.dev.etcd_server import LocalEtcd
 from pdcoord.dev.launcher import ProcessGroup
