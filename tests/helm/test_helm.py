@@ -31,7 +31,7 @@ import yaml
 
 pytestmark = pytest.mark.helm
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pdcoord"
 RELEASE = "pd"
 NAMESPACE = "inference"

@@ -21,7 +21,7 @@ import pytest
 
 from pdcoord.dev.cluster import LocalCluster
 from pdcoord.dev.loadgen import CONN_FAILED, HANG, BackgroundLoad, Outcome
-from tests.cluster_helpers import (
+from tests.cluster.cluster_helpers import (
     Targets,
     cluster_load,
     engine_metric,

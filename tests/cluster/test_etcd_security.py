@@ -20,7 +20,7 @@ from pdcoord.dev.etcd_server import EtcdServerTLS, LocalEtcd
 from pdcoord.dev.launcher import ProcessGroup
 from pdcoord.etcd import EtcdAuthError, EtcdClient, EtcdTLSError, EtcdUnavailable
 from pdcoord.registration import Registration
-from tests.pki import PKI, make_pki
+from tests.cluster.pki import PKI, make_pki
 
 USER, PASSWORD = "pdcoord", "s3cret-pw"
 

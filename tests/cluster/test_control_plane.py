@@ -12,7 +12,7 @@ import pytest
 from pdcoord.dev.cluster import LocalCluster, http_json
 from pdcoord.v1 import coordination_pb2 as pb
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
-from tests.cluster_helpers import expected_share_table
+from tests.cluster.cluster_helpers import expected_share_table
 
 pytestmark = pytest.mark.cluster
 

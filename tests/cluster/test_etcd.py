@@ -29,7 +29,7 @@ from pdcoord.etcd import (
 )
 from pdcoord.keys import Keys
 from pdcoord.registration import AlreadyRegistered, LeaseKeeper, Registration
-from tests import etcd_helpers
+from tests.cluster import etcd_helpers
 
 # ---------------------------------------------------------------------------- keys
 

@@ -19,8 +19,8 @@ import pytest
 
 from pdcoord.dev.cluster import LocalCluster
 from pdcoord.dev.loadgen import HANG
-from tests.cluster_helpers import churn_masters, cluster_load, ready, summarize, wait_no_leases
-from tests.test_cluster_suite import DECODE, Loads, decode_queued, load_guard, run_load, start_fleet
+from tests.cluster.cluster_helpers import churn_masters, cluster_load, ready, summarize, wait_no_leases
+from tests.cluster.test_cluster_suite import DECODE, Loads, decode_queued, load_guard, run_load, start_fleet
 
 __all__ = ["load_guard"]  # the fixture, shared with the cluster suite
 

@@ -14,7 +14,7 @@ from pdcoord.dev.cluster import LocalCluster, http_json
 from pdcoord.tls import ClientTLS, ServerTLS, TLSConfigError
 from pdcoord.v1 import coordination_pb2 as pb
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
-from tests.pki import PKI, make_pki
+from tests.cluster.pki import PKI, make_pki
 
 pytestmark = pytest.mark.cluster
 
