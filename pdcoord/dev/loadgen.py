@@ -318,6 +318,7 @@ class ClosedLoop:
                     if nxt is None:
                         break
                     name, base = nxt
+                    out.master = name  # a hang on the next target is that target's
                     out.attempts.append(name)
         except TimeoutError:
             out.status, out.error = HANG, "hang"
