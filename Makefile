@@ -29,11 +29,11 @@ lint: $(STAMP)
 
 ## Regenerate the committed protobuf modules from proto/.
 proto: $(STAMP)
-	$(BIN)/python -m pdcoord.protogen
+	$(BIN)/python -m pdcoord.dev.protogen
 
 ## Fail when the committed generated modules differ from a fresh generation.
 proto-check: $(STAMP)
-	$(BIN)/python -m pdcoord.protogen --check
+	$(BIN)/python -m pdcoord.dev.protogen --check
 
 ## Rerun the benchmarks (results in bench/results/, summary in bench/README.md).
 bench: $(STAMP)

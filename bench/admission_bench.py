@@ -25,8 +25,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from pdcoord.config import EnvArgumentParser, positive_int
 from pdmaster.admission import CLASS_ORDER, AdmissionCore, AdmissionPolicy, RequestClass, Ticket
 from pdmaster.admission_controller import AdmissionController

@@ -19,13 +19,10 @@ import heapq
 import json
 import random
 import statistics
-import sys
 from collections import Counter, deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdcoord.config import EnvArgumentParser, positive_float, positive_int
 from pdmaster.admission import CLASS_ORDER, AdmissionCore, AdmissionPolicy, RequestClass, Ticket

@@ -2,7 +2,7 @@
 
 Fleet: 1 prefill (64 slots) + 2 decode (32 slots each) pdsim engines, each with its node agent;
 two masters with the default lease TTL (5 s). Per trial: streamed load through both masters
-(bench/loadgen.py, its own process), SIGKILL one master, then poll the survivor's
+(``python -m pdcoord.dev.loadgen``, its own process), SIGKILL one master, then poll the survivor's
 ``GET /admission`` every 10 ms until its effective share on every node equals the node's capacity.
 A fresh master (new id) then joins and the next trial waits for the even split again.
 
@@ -27,22 +27,15 @@ import tempfile
 import time
 from typing import Any
 
-from peers import BENCH, RESULTS, ROOT, environment, pyplot, write_json
+from peers import RESULTS, environment, pyplot, write_json
 
-sys.path.insert(0, str(ROOT))
-from pdcoord.cluster import LocalCluster
-from pdcoord.etcd_server import LocalEtcd
-from pdcoord.launcher import ProcessGroup
+from pdcoord.dev.cluster import LocalCluster
+from pdcoord.dev.etcd_server import LocalEtcd
+from pdcoord.dev.launcher import ProcessGroup
+from pdcoord.dev.loadgen import percentile
 
 FLEET = {"p1": ("prefill", 64), "d1": ("decode", 32), "d2": ("decode", 32)}
 MODES = {"stream": {}, "stream-fast": {"handover": "fast"}, "lease-only": {"grace": 1_000_000}}
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
 def holds_all(c: LocalCluster, master: str, caps: dict[str, int]) -> bool:
@@ -68,7 +61,8 @@ def run_mode(mode: str, trials: int, concurrency: int, log_dir: str) -> dict[str
             load = subprocess.Popen(
                 [
                     sys.executable,
-                    str(BENCH / "loadgen.py"),
+                    "-m",
+                    "pdcoord.dev.loadgen",
                     "--url",
                     urls,
                     "--concurrency",
@@ -108,8 +102,8 @@ def run_mode(mode: str, trials: int, concurrency: int, log_dir: str) -> dict[str
     return {
         "trials": len(times),
         "seconds": [round(x, 4) for x in times],
-        "p50_s": pct(times, 50),
-        "p99_s": pct(times, 99),
+        "p50_s": percentile(times, 50),
+        "p99_s": percentile(times, 99),
         "min_s": min(times),
         "max_s": max(times),
     }

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/handover_bench.py     # writes bench/results/handover.json (+ .png)
 
-The protocol model of ``tests/protocol_sim.py`` runs the real agent core (nodeagent.slicing with
+The protocol model of ``pdcoord/dev/protocol_model.py`` runs the real agent core (nodeagent.slicing with
 strict handover), the real master cores (registry and admission) and a simulated network with no
 faults. Requests arrive as Poisson streams, 90 % at one master and 10 % at the other; each lease is
 held for an exponential time (mean 0.3 s); 5 % need 2 slots. Two decode nodes of 32 slots. Three
@@ -21,16 +21,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from pdcoord.config import EnvArgumentParser, positive_int  # noqa: E402
-from tests.protocol_sim import ProtocolSim, SimConfig  # noqa: E402
+from pdcoord.config import EnvArgumentParser, positive_int
+from pdcoord.dev.protocol_model import ProtocolSim, SimConfig
 
 NODES = {"d1": 32, "d2": 32}
 CAPACITY = sum(NODES.values())
@@ -74,7 +70,7 @@ def main() -> None:
     p = EnvArgumentParser(prog="handover_bench", description=__doc__, env_prefix="BENCH")
     p.add_argument("--seeds", type=positive_int, default=3)
     p.add_argument("--measure-s", type=positive_int, default=60)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "handover.json"))
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "handover.json"))
     args = p.parse_args()
     loads = (0.6, 0.8, 1.0, 1.2)
     rows: list[dict[str, Any]] = []

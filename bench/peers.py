@@ -50,8 +50,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def run_loadgen(args: list[str], watch: dict[str, int], timeout: float = 300.0) -> dict[str, Any]:
-    """Run bench/loadgen.py; CPU seconds of each watched pid between its START and END lines."""
-    argv = [sys.executable, str(BENCH / "loadgen.py"), *args]
+    """Run the load generator in its own process; CPU seconds of each watched pid between its START
+    and END lines."""
+    argv = [sys.executable, "-m", "pdcoord.dev.loadgen", *args]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     before: dict[str, float] = {}

@@ -1,8 +1,9 @@
 """Router overhead: the same pdsim P/D pair reached directly, through pdmaster and through sglang-router.
 
 One prefill and one decode pdsim (``--fast`` timing, capacity 256 each so admission never throttles),
-20 streamed tokens per request, closed-loop load at each concurrency from bench/loadgen.py in its own
-process. Contenders, interleaved in a rotating order inside every repetition:
+20 streamed tokens per request, closed-loop load at each concurrency from
+``python -m pdcoord.dev.loadgen`` in its own process. Contenders, interleaved in a rotating order
+inside every repetition:
 
 * ``direct``: the load generator does the router's work itself (fresh bootstrap_room, the same body
   to P and D at once, stream from D): the floor any PD router is measured against.
@@ -32,11 +33,10 @@ from typing import Any
 
 from peers import BENCH, CLK_TCK, RESULTS, ROOT, environment, median, pyplot, run_loadgen, write_json
 
-sys.path.insert(0, str(ROOT))
-from pdcoord.cluster import LocalCluster
-from pdcoord.etcd_server import LocalEtcd
-from pdcoord.launcher import ProcessGroup
-from pdcoord.netutil import free_port
+from pdcoord.dev.cluster import LocalCluster
+from pdcoord.dev.etcd_server import LocalEtcd
+from pdcoord.dev.launcher import ProcessGroup
+from pdcoord.dev.netutil import free_port
 
 SGLANG_ROUTER_VERSION = "0.3.2"
 SGLANG_VENV = BENCH / ".venv-sglang-router"

@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import threading
 import time
 import urllib.request
 from typing import Any
 
-from peers import RESULTS, ROOT, environment, median, pyplot, run_loadgen, write_json
+from peers import RESULTS, environment, median, pyplot, run_loadgen, write_json
 
-sys.path.insert(0, str(ROOT))
-from pdcoord.cluster import LocalCluster, Master
-from pdcoord.etcd_server import LocalEtcd
-from pdcoord.launcher import ProcessGroup
+from pdcoord.dev.cluster import LocalCluster, Master
+from pdcoord.dev.etcd_server import LocalEtcd
+from pdcoord.dev.launcher import ProcessGroup
 
 FLEET = {"p1": ("prefill", 128), "d1": ("decode", 24), "d2": ("decode", 24)}
 DECODE_CAPACITY = sum(cap for role, cap in FLEET.values() if role == "decode")

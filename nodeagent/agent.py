@@ -24,9 +24,10 @@ from nodeagent.probe import LoadProbe
 from nodeagent.slicing import SharePolicy, Slicer
 from pdcoord import __version__
 from pdcoord.config import EtcdSettings
-from pdcoord.etcd import EtcdClient, EtcdError, Registration, WatchCompacted
+from pdcoord.etcd import EtcdClient, EtcdError, WatchCompacted
 from pdcoord.keys import Keys
 from pdcoord.load import EngineLoad
+from pdcoord.registration import Registration
 from pdcoord.tls import ClientTLS, grpc_channel, looks_like_tls_failure
 from pdcoord.v1 import coordination_pb2 as pb
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc

@@ -149,7 +149,8 @@ async def _run(args: argparse.Namespace) -> int:
     from nodeagent.agent import AgentConfig, NodeAgent
     from nodeagent.probe import fetch_max_running_requests
     from nodeagent.slicing import SharePolicy
-    from pdcoord.etcd import AlreadyRegistered, EtcdError
+    from pdcoord.etcd import EtcdError
+    from pdcoord.registration import AlreadyRegistered
 
     try:
         grpc_tls = client_tls_from_args(args)

@@ -1,7 +1,7 @@
 """A small async etcd adapter (over etcd3aio) with the few operations pdcoord needs.
 
-Everything etcd-specific that masters and agents use goes through :class:`EtcdClient`,
-:class:`LeaseKeeper` and :class:`Registration`, so the client library could be swapped by
+Everything etcd-specific that masters and agents use goes through :class:`EtcdClient` (keys under
+a lease are built on it in :mod:`pdcoord.registration`), so the client library could be swapped by
 rewriting this one module. Errors from the library and from gRPC are re-raised as
 :class:`EtcdError` (or :class:`EtcdUnavailable` when etcd cannot be reached), naming the endpoints.
 
@@ -10,19 +10,18 @@ Two things are implemented here rather than taken from etcd3aio, on purpose:
 * the prefix watch tracks the revision of the last *event* it delivered and resumes from the next
   one, so a reconnect never skips events (etcd3aio resumes from the response header revision, which
   for the creation response and for catch-up batches is ahead of the events actually delivered);
-* lease keep-alive runs its own loop that keeps retrying through an outage and reports a lost lease
-  (etcd3aio's ``LeaseKeepalive`` stops silently).
+* lease keep-alive is one request at a time (:meth:`EtcdClient.keep_alive_once`), so the keeper
+  in :mod:`pdcoord.registration` can retry through an outage and report a lost lease (etcd3aio's
+  ``LeaseKeepalive`` stops silently).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import logging
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -33,7 +32,6 @@ import grpc
 import grpc.aio
 from etcd3aio import Etcd3Client, prefix_range_end
 from etcd3aio._protobuf import (
-    Compare,
     LeaseKeepAliveRequest,
     LeaseStub,
     WatchCreateRequest,
@@ -137,23 +135,6 @@ class WatchEvent:
     mod_revision: int
 
 
-class AlreadyRegistered(EtcdError):
-    """The key is live under another holder's lease."""
-
-    def __init__(self, key: str, holder: KeyValue | None, holder_ttl: int = -1) -> None:
-        value = holder.text() if holder is not None else "?"
-        if len(value) > 300:
-            value = value[:300] + "..."
-        expiry = f", its lease expires in {holder_ttl} s unless renewed" if holder_ttl >= 0 else ""
-        lease = f" under lease {holder.lease:x}" if holder is not None and holder.lease else ""
-        if holder is not None and not holder.lease:
-            expiry = ", without a lease (it will not expire; delete it by hand if it is stale)"
-        super().__init__(f"{key} is already registered{lease}{expiry}; current holder: {value}")
-        self.key = key
-        self.holder = holder
-        self.holder_ttl = holder_ttl
-
-
 def _to_bytes(data: bytes | str) -> bytes:
     return data.encode("utf-8") if isinstance(data, str) else data
 
@@ -178,18 +159,6 @@ def _read_pem(data: bytes | str | Path | None) -> bytes | None:
     if data is None or isinstance(data, bytes):
         return data
     return Path(data).read_bytes()
-
-
-async def _call_back(callback: Callable[[], object] | None, what: str) -> None:
-    """Run a sync or async callback, logging (not raising) its failure."""
-    if callback is None:
-        return
-    try:
-        result = callback()
-        if inspect.isawaitable(result):
-            await result
-    except Exception:
-        _log.exception("%s callback failed", what)
 
 
 class EtcdClient:
@@ -382,24 +351,6 @@ class EtcdClient:
             resp = await kv.put(key, _to_bytes(value), lease=lease, timeout=self.timeout)
         return int(resp.header.revision)
 
-    async def delete(self, key: str) -> bool:
-        """Delete *key*; True if it existed."""
-        with self._errors(f"delete {key}"):
-            kv = self._c().kv
-            assert kv is not None
-            resp = await kv.delete(key, timeout=self.timeout)
-        return int(resp.deleted) > 0
-
-    async def delete_prefix(self, prefix: str) -> int:
-        """Delete every key under *prefix*; returns how many were deleted."""
-        if not prefix:
-            raise ValueError("refusing to delete the empty prefix (the whole keyspace)")
-        with self._errors(f"delete prefix {prefix}"):
-            kv = self._c().kv
-            assert kv is not None
-            resp = await kv.delete(prefix, range_end=prefix_range_end(prefix), timeout=self.timeout)
-        return int(resp.deleted)
-
     async def create_if_absent(
         self, key: str, value: bytes | str, *, lease: int = 0
     ) -> tuple[bool, KeyValue | None]:
@@ -422,28 +373,6 @@ class EtcdClient:
             return True, KeyValue(key, data, rev, rev, 1, lease)
         kvs = resp.responses[0].response_range.kvs if resp.responses else []
         return False, (_kv(kvs[0]) if kvs else None)
-
-    async def compare_and_swap(
-        self, key: str, value: bytes | str, *, expected_mod_revision: int, lease: int = 0
-    ) -> bool:
-        """Write *key* only if its mod_revision is *expected_mod_revision* (0: only if absent)."""
-        if expected_mod_revision < 0:
-            raise ValueError(f"expected_mod_revision must be >= 0, got {expected_mod_revision}")
-        if expected_mod_revision == 0:
-            cmp = KVService.txn_compare_create_revision(key, 0)
-        else:
-            cmp = Compare(
-                result=Compare.EQUAL, target=Compare.MOD, key=key.encode(), mod_revision=expected_mod_revision
-            )
-        with self._errors(f"compare-and-swap {key}"):
-            kv = self._c().kv
-            assert kv is not None
-            resp = await kv.txn(
-                compare=[cmp],
-                success=[KVService.txn_op_put(key, _to_bytes(value), lease=lease)],
-                timeout=self.timeout,
-            )
-        return bool(resp.succeeded)
 
     # ---------------------------------------------------------------- leases
 
@@ -475,14 +404,6 @@ class EtcdClient:
             assert lease is not None
             resp = await lease.time_to_live(lease_id, timeout=self.timeout)
         return int(resp.TTL) if resp.TTL > 0 else -1
-
-    async def list_leases(self) -> list[int]:
-        """IDs of every lease etcd holds (for leak checks)."""
-        with self._errors("list leases"):
-            lease = self._c().lease
-            assert lease is not None
-            resp = await lease.leases(timeout=self.timeout)
-        return [int(x.ID) for x in resp.leases]
 
     async def keep_alive_once(self, lease_id: int) -> int:
         """Renew *lease_id* once; returns the TTL etcd reports (0 or less: the lease is gone)."""
@@ -586,325 +507,15 @@ class EtcdClient:
         except EtcdError:
             return False
 
-    async def wait_until_available(self, timeout: float) -> None:
-        """Poll :meth:`status` until etcd answers; EtcdUnavailable after *timeout* seconds."""
-        deadline = time.monotonic() + timeout
-        while not await self.status():
-            if time.monotonic() >= deadline:
-                raise EtcdUnavailable(f"{self.where}: not reachable after {timeout:.1f} s")
-            await asyncio.sleep(0.2)
-
-    async def compact(self, revision: int) -> None:
-        """Drop the history before *revision* (watches from older revisions then get WatchCompacted)."""
-        with self._errors(f"compact to {revision}"):
-            kv = self._c().kv
-            assert kv is not None
-            await kv.compact(revision, physical=True, timeout=self.timeout)
-
-    async def revision(self) -> int:
-        """The current revision of the store."""
-        _, rev = await self.get_prefix("\x00pdcoord-revision-probe\x00")
-        return rev
-
-
-Callback = Callable[[], object]
-
-
-class LeaseKeeper:
-    """Keeps one lease alive in the background, renewing every ttl/3 seconds.
-
-    Renewal failures (etcd down) are retried every few hundred milliseconds; when etcd answers that
-    the lease is gone (TTL <= 0, e.g. it expired during an outage or was revoked) ``on_lost`` is
-    called (sync or async) and the keeper stops.
-    """
-
-    def __init__(
-        self,
-        client: EtcdClient,
-        lease_id: int,
-        ttl: int,
-        *,
-        on_lost: Callback | None = None,
-        interval: float | None = None,
-    ) -> None:
-        if ttl <= 0:
-            raise ValueError(f"lease TTL must be positive, got {ttl}")
-        self.client = client
-        self.lease_id = lease_id
-        self.ttl = ttl
-        self.interval = interval if interval is not None else ttl / 3
-        self._on_lost = on_lost
-        self._task: asyncio.Task[None] | None = None
-        self._alive = True
-        self.last_renewed = time.monotonic()
-        self.renewals = 0
-
-    @property
-    def alive(self) -> bool:
-        """False once etcd reported the lease gone."""
-        return self._alive
-
-    @property
-    def running(self) -> bool:
-        return self._task is not None and not self._task.done()
-
-    def start(self) -> LeaseKeeper:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name=f"lease-keeper-{self.lease_id:x}")
-        return self
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def __aenter__(self) -> LeaseKeeper:
-        return self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
-    async def _run(self) -> None:
-        failures = 0
-        retry = min(self.interval, 0.25)
-        while True:
-            try:
-                ttl = await self.client.keep_alive_once(self.lease_id)
-            except EtcdError as exc:
-                failures += 1
-                if failures == 1:
-                    _log.warning("lease %x: keep-alive failed (%s); retrying", self.lease_id, exc)
-                await asyncio.sleep(retry)
-                continue
-            except Exception:
-                _log.exception("lease %x: unexpected keep-alive failure; retrying", self.lease_id)
-                await asyncio.sleep(retry)
-                continue
-            if ttl <= 0:
-                self._alive = False
-                _log.warning("lease %x is gone (expired or revoked)", self.lease_id)
-                await _call_back(self._on_lost, f"lease {self.lease_id:x} on_lost")
-                return
-            if failures:
-                _log.info("lease %x: keep-alive recovered after %d failed attempts", self.lease_id, failures)
-                failures = 0
-            self.last_renewed = time.monotonic()
-            self.renewals += 1
-            await asyncio.sleep(self.interval)
-
-
-class Registration:
-    """A key held under its own lease and kept alive: a master's or a node agent's membership.
-
-    ``start()`` creates the key with a create-if-absent transaction, so a live key of someone else
-    is never overwritten (:class:`AlreadyRegistered`; with ``wait`` > 0 it retries until the other
-    lease expires). When the lease is lost (etcd down longer than the TTL, or revoked) the key is
-    re-created under a new lease automatically, retrying with backoff until etcd answers.
-    """
-
-    def __init__(
-        self,
-        client: EtcdClient,
-        key: str,
-        value: bytes | str | Callable[[], bytes | str],
-        ttl: int,
-        *,
-        wait: float = 0.0,
-        on_lost: Callback | None = None,
-        on_restored: Callback | None = None,
-        retry_max_backoff: float = 2.0,
-    ) -> None:
-        if ttl <= 0:
-            raise ValueError(f"lease TTL must be positive, got {ttl}")
-        self.client = client
-        self.key = key
-        self.ttl = ttl
-        self.wait = wait
-        self._value = value
-        self._on_lost = on_lost
-        self._on_restored = on_restored
-        self._retry_max_backoff = retry_max_backoff
-        self._lease_id = 0
-        self._keeper: LeaseKeeper | None = None
-        self._regrant: asyncio.Task[None] | None = None
-        self._lock = asyncio.Lock()
-        self._stopped = False
-        self.kv: KeyValue | None = None
-        self.reregistrations = 0
-
-    @property
-    def lease_id(self) -> int:
-        """The current lease (0 when not registered)."""
-        return self._lease_id
-
-    @property
-    def alive(self) -> bool:
-        """True while the key is held under a lease that etcd has not reported lost."""
-        return self._lease_id != 0 and self._keeper is not None and self._keeper.alive
-
-    def _value_bytes(self) -> bytes:
-        value = self._value() if callable(self._value) else self._value
-        return _to_bytes(value)
-
-    async def _claim(self) -> tuple[bool, KeyValue | None]:
-        """One attempt: create the key under a fresh lease. Returns (created, current holder)."""
-        existing = await self.client.get(self.key)
-        if existing is not None:
-            return False, existing
-        lease = await self.client.grant_lease(self.ttl)
-        try:
-            ok, kv = await self.client.create_if_absent(self.key, self._value_bytes(), lease=lease)
-        except BaseException:
-            with contextlib.suppress(EtcdError):
-                await self.client.revoke_lease(lease)
-            raise
-        if not ok:
-            await self.client.revoke_lease(lease)
-            return False, kv
-        self._lease_id = lease
-        self.kv = kv
-        self._keeper = LeaseKeeper(self.client, lease, self.ttl, on_lost=self._lost).start()
-        return True, kv
-
-    async def start(self, *, wait: float | None = None) -> Registration:
-        """Register; retry for up to *wait* seconds (default: the constructor's) while the key is held."""
-        if self._lease_id:
-            raise RuntimeError(f"{self.key} is already registered by this process")
-        wait = self.wait if wait is None else wait
-        deadline = time.monotonic() + max(0.0, wait)
-        self._stopped = False
-        announced = False
-        while True:
-            try:
-                async with self._lock:
-                    ok, holder = await self._claim()
-                if ok:
-                    _log.info("registered %s under lease %x (ttl %d s)", self.key, self._lease_id, self.ttl)
-                    return self
-                error: EtcdError = AlreadyRegistered(self.key, holder, await self._holder_ttl(holder))
-            except EtcdUnavailable as exc:
-                error = exc
-            if time.monotonic() >= deadline:
-                raise error
-            if not announced:
-                _log.warning("%s; retrying for up to %.1f s", error, max(0.0, deadline - time.monotonic()))
-                announced = True
-            await asyncio.sleep(min(0.5, max(0.01, deadline - time.monotonic())))
-
-    async def _holder_ttl(self, holder: KeyValue | None) -> int:
-        if holder is None or not holder.lease:
-            return -1
-        try:
-            return await self.client.lease_ttl(holder.lease)
-        except EtcdError:
-            return -1
-
-    def _lost(self) -> None:
-        if self._stopped:
-            return
-        _log.warning("registration %s lost its lease %x; re-registering", self.key, self._lease_id)
-        self._lease_id = 0
-        self.kv = None
-        if self._regrant is None or self._regrant.done():
-            self._regrant = asyncio.create_task(self._reregister(), name=f"reregister-{self.key}")
-
-    async def _reregister(self) -> None:
-        await _call_back(self._on_lost, f"registration {self.key} on_lost")
-        backoff = 0.1
-        failures = 0
-        while not self._stopped:
-            try:
-                async with self._lock:
-                    if self._stopped:
-                        return
-                    if self._keeper is not None:
-                        await self._keeper.stop()
-                        self._keeper = None
-                    ok, holder = await self._claim()
-                if ok:
-                    self.reregistrations += 1
-                    _log.warning("re-registered %s under new lease %x", self.key, self._lease_id)
-                    await _call_back(self._on_restored, f"registration {self.key} on_restored")
-                    return
-                failures += 1
-                if failures == 1:
-                    _log.error("cannot re-register: %s", AlreadyRegistered(self.key, holder))
-            except EtcdError as exc:
-                failures += 1
-                if failures == 1:
-                    _log.warning("re-registering %s failed (%s); retrying", self.key, exc)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self._retry_max_backoff)
-
-    async def update(self, value: bytes | str | Callable[[], bytes | str]) -> int | None:
-        """Replace the value (kept for re-registrations too); re-put it under the current lease.
-
-        Returns the revision of the write, or None when not registered at the moment (the new value
-        is used when the key is re-created).
-        """
-        self._value = value
-        async with self._lock:
-            if not self.alive:
-                return None
-            data = self._value_bytes()
-            try:
-                rev = await self.client.put(self.key, data, lease=self._lease_id)
-            except LeaseNotFound:
-                lost = True
-            else:
-                lost = False
-                old = self.kv
-                created = old.create_revision if old else rev
-                self.kv = KeyValue(
-                    self.key, data, created, rev, old.version + 1 if old else 0, self._lease_id
-                )
-        if lost:
-            self._lost()
-            return None
-        return rev
-
-    async def stop(self, revoke: bool = True) -> None:
-        """Stop keeping the key alive; with *revoke*, revoke the lease so the key disappears at once."""
-        self._stopped = True
-        regrant, self._regrant = self._regrant, None
-        if regrant is not None and regrant is not asyncio.current_task():
-            regrant.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await regrant
-        async with self._lock:
-            if self._keeper is not None:
-                await self._keeper.stop()
-                self._keeper = None
-            lease, self._lease_id = self._lease_id, 0
-            if revoke and lease:
-                try:
-                    await self.client.revoke_lease(lease)
-                    _log.info("revoked lease %x of %s", lease, self.key)
-                except EtcdError as exc:
-                    _log.warning("could not revoke lease %x of %s (it will expire): %s", lease, self.key, exc)
-
-    async def __aenter__(self) -> Registration:
-        if not self._lease_id:
-            await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
 
 __all__ = [
-    "AlreadyRegistered",
     "EtcdAuthError",
     "EtcdClient",
     "EtcdError",
     "EtcdTLSError",
     "EtcdUnavailable",
     "KeyValue",
-    "LeaseKeeper",
     "LeaseNotFound",
-    "Registration",
     "WatchCompacted",
     "WatchEvent",
     "WatchRevisionReset",

@@ -17,8 +17,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from pdcoord import __version__
-from pdcoord.etcd import AlreadyRegistered, EtcdClient, Registration
+from pdcoord.etcd import EtcdClient
 from pdcoord.keys import Keys
+from pdcoord.registration import AlreadyRegistered, Registration
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
 from pdmaster.admission_controller import AdmissionController
 from pdmaster.api import ControlRoutes, OpenAIRoutes, api_key_middleware, harden_aiohttp, load_api_keys

@@ -12,11 +12,11 @@ from typing import Any, Protocol
 
 import pytest
 
-from pdcoord import etcd_server, launcher
-from pdcoord.cluster import LocalCluster
+from pdcoord.dev import etcd_server, launcher
+from pdcoord.dev.cluster import LocalCluster
+from pdcoord.dev.etcd_server import LocalEtcd, etcd_healthy
+from pdcoord.dev.launcher import ProcessGroup
 from pdcoord.etcd import EtcdClient
-from pdcoord.etcd_server import LocalEtcd, etcd_healthy
-from pdcoord.launcher import ProcessGroup
 
 ETCD_IMAGE = os.environ.get("PDCOORD_TEST_ETCD_IMAGE", "quay.io/coreos/etcd:v3.5.17")
 

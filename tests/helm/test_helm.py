@@ -31,7 +31,7 @@ import yaml
 
 pytestmark = pytest.mark.helm
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pdcoord"
 RELEASE = "pd"
 NAMESPACE = "inference"
@@ -881,8 +881,8 @@ def local_demo(
 
     Yields the port map (container port → local port) of each master pod.
     """
-    from pdcoord.launcher import ProcessGroup
-    from pdcoord.netutil import free_port
+    from pdcoord.dev.launcher import ProcessGroup
+    from pdcoord.dev.netutil import free_port
 
     values = {
         "cluster": f"helm-demo-{secrets.token_hex(3)}",

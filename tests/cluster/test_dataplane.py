@@ -21,8 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdcoord.cluster import LocalCluster, http_json, scrape_metrics
-from pdcoord.launcher import ProcessGroup
+from pdcoord.dev.cluster import LocalCluster, http_json, scrape_metrics
+from pdcoord.dev.launcher import ProcessGroup
 
 pytestmark = pytest.mark.cluster
 

@@ -19,14 +19,11 @@ from typing import Any
 
 import pytest
 
-from pdcoord.cluster import LocalCluster
-from tests.cluster_helpers import (
-    CONN_FAILED,
-    HANG,
-    Load,
-    LoadConfig,
-    Result,
+from pdcoord.dev.cluster import LocalCluster
+from pdcoord.dev.loadgen import CONN_FAILED, HANG, BackgroundLoad, Outcome
+from tests.cluster.cluster_helpers import (
     Targets,
+    cluster_load,
     engine_metric,
     expected_share_table,
     start_master_retrying,
@@ -42,6 +39,7 @@ CAPS = {**PREFILL, **DECODE}
 MODEL = "sim"
 # A stream that broke after its headers is an explicit error too: the client sees it end early.
 STREAM_ERRORS = {"stream_error", "stream_truncated"}
+Loads = list[BackgroundLoad]  # the load_guard fixture
 
 
 def start_fleet(
@@ -64,23 +62,23 @@ def start_fleet(
     return targets
 
 
-def refused_properly(r: Result) -> bool:
+def refused_properly(r: Outcome) -> bool:
     """A refusal a client can act on: 429/503 carrying Retry-After."""
     return r.status in (429, 503) and r.retry_after
 
 
 @pytest.fixture
-def load_guard() -> Iterator[list[Load]]:
+def load_guard() -> Iterator[list[BackgroundLoad]]:
     """Stops any load a failing test left running, so its thread never outlives the test."""
-    loads: list[Load] = []
+    loads: list[BackgroundLoad] = []
     yield loads
     for load in loads:
-        if load._thread is not None and load._thread.is_alive():
+        if load.running:
             load.stop()
 
 
-def run_load(guard: list[Load], targets: Targets, **cfg: object) -> Load:
-    load = Load(targets, LoadConfig(**cfg)).start()  # type: ignore[arg-type]
+def run_load(guard: list[BackgroundLoad], targets: Targets, **cfg: Any) -> BackgroundLoad:
+    load = cluster_load(targets, **cfg).start()
     guard.append(load)
     load.wait_for_results(30)
     return load
@@ -100,7 +98,7 @@ def assert_peaks_within_capacity(c: LocalCluster) -> dict[str, float]:
 # -- 1. SIGKILL a master under load -------------------------------------------------------------
 
 
-def test_sigkill_master_under_load(cluster: LocalCluster, load_guard: list[Load]) -> None:
+def test_sigkill_master_under_load(cluster: LocalCluster, load_guard: Loads) -> None:
     targets = start_fleet(cluster, ["m1", "m2"])
     # Long enough generations that the kill catches requests in flight on m2.
     load = run_load(load_guard, targets, users=8, max_tokens=48, request_timeout_s=15)
@@ -139,7 +137,7 @@ def test_sigkill_master_under_load(cluster: LocalCluster, load_guard: list[Load]
 # -- 2. rolling restart of every master -----------------------------------------------------------
 
 
-def test_rolling_restart_of_every_master_loses_nothing(cluster: LocalCluster, load_guard: list[Load]) -> None:
+def test_rolling_restart_of_every_master_loses_nothing(cluster: LocalCluster, load_guard: Loads) -> None:
     masters = ["m1", "m2"]
     targets = start_fleet(cluster, masters)
     load = run_load(load_guard, targets, users=8, max_tokens=32, request_timeout_s=15, lb_retry=True)
@@ -194,7 +192,7 @@ def test_rolling_restart_of_every_master_loses_nothing(cluster: LocalCluster, lo
 # -- 3. SIGKILL an agent, restart it --------------------------------------------------------------
 
 
-def test_agent_sigkill_and_restart_under_load(cluster: LocalCluster, load_guard: list[Load]) -> None:
+def test_agent_sigkill_and_restart_under_load(cluster: LocalCluster, load_guard: Loads) -> None:
     masters = ["m1", "m2"]
     # A short agent lease so the restarted agent need not wait 5 s for its predecessor's key.
     targets = start_fleet(cluster, masters, agent_extra={"lease_ttl": 2})
@@ -242,7 +240,7 @@ def test_agent_sigkill_and_restart_under_load(cluster: LocalCluster, load_guard:
 # -- 4. etcd restart under load -------------------------------------------------------------------
 
 
-def test_etcd_restart_under_load(local_cluster: LocalCluster, local_etcd, load_guard: list[Load]) -> None:  # type: ignore[no-untyped-def]
+def test_etcd_restart_under_load(local_cluster: LocalCluster, local_etcd, load_guard: Loads) -> None:  # type: ignore[no-untyped-def]
     c = local_cluster
     masters = ["m1", "m2"]
     targets = start_fleet(c, masters)
@@ -286,7 +284,7 @@ def test_etcd_restart_under_load(local_cluster: LocalCluster, local_etcd, load_g
 # -- 5. legacy agent beside new agents ------------------------------------------------------------
 
 
-def test_legacy_agent_beside_new_agents_under_load(cluster: LocalCluster, load_guard: list[Load]) -> None:
+def test_legacy_agent_beside_new_agents_under_load(cluster: LocalCluster, load_guard: Loads) -> None:
     masters = ["m1", "m2"]
     targets = start_fleet(cluster, masters)
     cluster.start_node("old", "decode", 4, model=MODEL, no_grant=True)
@@ -319,7 +317,7 @@ def test_legacy_agent_beside_new_agents_under_load(cluster: LocalCluster, load_g
 # -- 6. soak --------------------------------------------------------------------------------------
 
 
-def test_soak_random_kills_and_restarts(cluster: LocalCluster, load_guard: list[Load]) -> None:
+def test_soak_random_kills_and_restarts(cluster: LocalCluster, load_guard: Loads) -> None:
     duration = float(os.environ.get("PDCOORD_SOAK_S", "60"))
     rng = random.Random(int(os.environ.get("PDCOORD_SOAK_SEED", "5")))
     masters = ["m1", "m2", "m3"]

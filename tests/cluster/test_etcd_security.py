@@ -15,11 +15,12 @@ from typing import Any
 import etcd3aio
 import pytest
 
-from pdcoord.cluster import LocalCluster, http_json
-from pdcoord.etcd import EtcdAuthError, EtcdClient, EtcdTLSError, EtcdUnavailable, Registration
-from pdcoord.etcd_server import EtcdServerTLS, LocalEtcd
-from pdcoord.launcher import ProcessGroup
-from tests.pki import PKI, make_pki
+from pdcoord.dev.cluster import LocalCluster, http_json
+from pdcoord.dev.etcd_server import EtcdServerTLS, LocalEtcd
+from pdcoord.dev.launcher import ProcessGroup
+from pdcoord.etcd import EtcdAuthError, EtcdClient, EtcdTLSError, EtcdUnavailable
+from pdcoord.registration import Registration
+from tests.cluster.pki import PKI, make_pki
 
 USER, PASSWORD = "pdcoord", "s3cret-pw"
 

@@ -1,6 +1,6 @@
 """Regenerate (or check) the committed protobuf modules.
 
-``python -m pdcoord.protogen`` writes ``pdcoord/v1/*_pb2*.py(i)`` from ``proto/`` and the frozen
+``python -m pdcoord.dev.protogen`` writes ``pdcoord/v1/*_pb2*.py(i)`` from ``proto/`` and the frozen
 legacy schema's module under ``tests/frozen/``; ``--check`` fails when a fresh generation differs
 from what is committed, so the wire contract and the code never drift apart.
 """
@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # (proto include root, proto file relative to it, output root)
 TARGETS = [

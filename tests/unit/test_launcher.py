@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pdcoord.launcher import ProcessError, ProcessGroup, http_ok, live_processes
-from pdcoord.netutil import free_port, port_open, wait_port
+from pdcoord.dev.launcher import ProcessError, ProcessGroup, http_ok, live_processes
+from pdcoord.dev.netutil import free_port, port_open, wait_port
 
 PY = sys.executable
 
@@ -142,7 +142,7 @@ def test_start_rejects_bad_arguments(proc_group: ProcessGroup) -> None:
 DRIVER = textwrap.dedent(
     """
     import sys, time
-    from pdcoord.launcher import ProcessGroup
+    from pdcoord.dev.launcher import ProcessGroup
     group = ProcessGroup(sys.argv[1])
     child = group.start("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"])
     print(child.pid, flush=True)

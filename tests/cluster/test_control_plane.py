@@ -9,10 +9,10 @@ import time
 import grpc
 import pytest
 
-from pdcoord.cluster import LocalCluster, http_json
+from pdcoord.dev.cluster import LocalCluster, http_json
 from pdcoord.v1 import coordination_pb2 as pb
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
-from tests.cluster_helpers import expected_share_table
+from tests.cluster.cluster_helpers import expected_share_table
 
 pytestmark = pytest.mark.cluster
 

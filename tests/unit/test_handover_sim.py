@@ -1,6 +1,6 @@
 """Randomised protocol simulation of strict handover (DESIGN §4), in virtual time.
 
-Real agent and master cores, simulated network and failures (see ``tests/protocol_sim.py``). Seeds:
+Real agent and master cores, simulated network and failures (see ``pdcoord/dev/protocol_model.py``). Seeds:
 ``PDCOORD_SIM_SEEDS`` (default 200 per mode, as CI runs).
 """
 
@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests.protocol_sim import ProtocolSim, SimConfig
+from pdcoord.dev.protocol_model import ProtocolSim, SimConfig
 
 SEEDS = int(os.environ.get("PDCOORD_SIM_SEEDS", "200"))
 CHUNK = 20

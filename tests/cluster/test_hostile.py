@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdcoord.cluster import LocalCluster, Master, http_json
-from pdcoord.launcher import ProcessGroup
+from pdcoord.dev.cluster import LocalCluster, Master, http_json
+from pdcoord.dev.launcher import ProcessGroup
 from pdcoord.v1 import coordination_pb2 as pb
 from tests.conftest import EtcdEndpoint
 

@@ -1,4 +1,4 @@
-"""``pdcoord``: operator and developer utilities (local etcd, the local cluster demo)."""
+"""``pdcoord``: developer utilities (local etcd, the local cluster demo)."""
 
 from __future__ import annotations
 
@@ -32,12 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "etcd":
-        from pdcoord.etcd_server import run_foreground
+        from pdcoord.dev.etcd_server import run_foreground
 
         sys.exit(run_foreground(args.port, args.data_dir, peer_port=args.peer_port))
     if args.command == "demo":
         setup_logging("warning", "pdcoord-demo")
-        from pdcoord.demo import run_demo
+        from pdcoord.dev.demo import run_demo
 
         sys.exit(run_demo(args))
 

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcoord.launcher import ManagedProcess, ProcessError, ProcessGroup
-from pdcoord.netutil import free_port
+from pdcoord.dev.launcher import ManagedProcess, ProcessError, ProcessGroup
+from pdcoord.dev.netutil import free_port
 
 
 def http_json(url: str, timeout: float = 2.0) -> Any:

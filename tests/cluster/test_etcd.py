@@ -16,21 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from pdcoord import etcd_server
+from pdcoord.dev import etcd_server
+from pdcoord.dev.etcd_server import EtcdServerError, LocalEtcd, etcd_healthy, find_etcd_binary
+from pdcoord.dev.netutil import free_port, port_open
 from pdcoord.etcd import (
-    AlreadyRegistered,
     EtcdClient,
     EtcdError,
     EtcdUnavailable,
-    LeaseKeeper,
-    Registration,
     WatchCompacted,
     WatchEvent,
     WatchRevisionReset,
 )
-from pdcoord.etcd_server import EtcdServerError, LocalEtcd, etcd_healthy, find_etcd_binary
 from pdcoord.keys import Keys
-from pdcoord.netutil import free_port, port_open
+from pdcoord.registration import AlreadyRegistered, LeaseKeeper, Registration
+from tests.cluster import etcd_helpers
 
 # ---------------------------------------------------------------------------- keys
 
@@ -91,9 +90,9 @@ async def test_put_get_prefix_delete(etcd_client: EtcdClient, cluster_name: str)
     assert kvs[1].value == b"\x00raw"
     assert rev >= kv2.mod_revision
 
-    assert await etcd_client.delete(keys.node("a")) is True
-    assert await etcd_client.delete(keys.node("a")) is False
-    assert await etcd_client.delete_prefix(keys.root) == 2
+    assert await etcd_helpers.delete(etcd_client, keys.node("a")) is True
+    assert await etcd_helpers.delete(etcd_client, keys.node("a")) is False
+    assert await etcd_helpers.delete_prefix(etcd_client, keys.root) == 2
     assert (await etcd_client.get_prefix(keys.root))[0] == []
 
 
@@ -115,20 +114,6 @@ async def test_create_if_absent(etcd_client: EtcdClient, cluster_name: str) -> N
     assert existing is not None and existing.value == b"first"
     assert existing.create_revision == created.create_revision
     assert (await etcd_client.get(key)).value == b"first"  # type: ignore[union-attr]
-
-
-async def test_compare_and_swap(etcd_client: EtcdClient, cluster_name: str) -> None:
-    key = Keys.for_cluster(cluster_name).epoch("n1")
-    assert await etcd_client.compare_and_swap(key, "1", expected_mod_revision=0)
-    assert not await etcd_client.compare_and_swap(key, "x", expected_mod_revision=0)  # no longer absent
-    kv = await etcd_client.get(key)
-    assert kv is not None
-    assert not await etcd_client.compare_and_swap(key, "2", expected_mod_revision=kv.mod_revision + 100)
-    assert await etcd_client.compare_and_swap(key, "2", expected_mod_revision=kv.mod_revision)
-    assert not await etcd_client.compare_and_swap(key, "3", expected_mod_revision=kv.mod_revision)  # stale
-    assert (await etcd_client.get(key)).value == b"2"  # type: ignore[union-attr]
-    with pytest.raises(ValueError):
-        await etcd_client.compare_and_swap(key, "x", expected_mod_revision=-1)
 
 
 # ---------------------------------------------------------------------------- leases
@@ -162,12 +147,12 @@ async def test_revoke_deletes_at_once_and_is_idempotent(etcd_client: EtcdClient,
     key = Keys.for_cluster(cluster_name).master("m")
     lease = await etcd_client.grant_lease(30)
     await etcd_client.put(key, "m", lease=lease)
-    assert lease in await etcd_client.list_leases()
+    assert lease in await etcd_helpers.list_leases(etcd_client)
     await etcd_client.revoke_lease(lease)
     assert await etcd_client.get(key) is None
     assert await etcd_client.lease_ttl(lease) == -1
     await etcd_client.revoke_lease(lease)  # already gone: no error
-    assert lease not in await etcd_client.list_leases()
+    assert lease not in await etcd_helpers.list_leases(etcd_client)
 
 
 async def test_put_under_a_missing_lease_fails_clearly(etcd_client: EtcdClient, cluster_name: str) -> None:
@@ -221,7 +206,7 @@ async def test_watch_sees_puts_and_deletes(etcd_client: EtcdClient, cluster_name
     try:
         await etcd_client.put(keys.master("m1"), "v1")
         await etcd_client.put(keys.node("not-watched"), "x")
-        await etcd_client.delete(keys.master("before"))
+        await etcd_helpers.delete(etcd_client, keys.master("before"))
         await _wait_for(lambda: len(events) >= 2, 5, "two events")
         await asyncio.sleep(0.1)
         assert [(e.kind, e.key, e.value) for e in events] == [
@@ -253,7 +238,7 @@ async def test_watch_on_compacted_revision_raises(etcd_client: EtcdClient, clust
     prefix = Keys.for_cluster(cluster_name).nodes_prefix
     old = await etcd_client.put(prefix + "a", "1")
     new = await etcd_client.put(prefix + "a", "2")
-    await etcd_client.compact(new)
+    await etcd_helpers.compact(etcd_client, new)
     with pytest.raises(WatchCompacted, match="compacted") as info:
         async for _ in etcd_client.watch_prefix(prefix, start_revision=old):
             pass
@@ -284,7 +269,7 @@ async def test_watch_resumes_across_etcd_restart(local_etcd: LocalEtcd) -> None:
             t0 = time.monotonic()
             # written at once, most likely before the watch stream is re-established
             await writer.put(prefix + "c", "3")
-            await writer.delete(prefix + "a")
+            await etcd_helpers.delete(writer, prefix + "a")
             await _wait_for(lambda: len(events) == 4, 10, "the events written after the restart")
             caught_up = time.monotonic() - t0
             print(f"watch caught up {caught_up:.2f} s after etcd was back")
@@ -325,12 +310,12 @@ async def test_watch_detects_an_etcd_whose_data_was_wiped(local_etcd: LocalEtcd)
 
 async def test_wait_until_available(local_etcd: LocalEtcd) -> None:
     async with EtcdClient([local_etcd.endpoint], timeout=0.5) as client:
-        await client.wait_until_available(2)
+        await etcd_helpers.wait_until_available(client, 2)
         local_etcd.stop_process()
         with pytest.raises(EtcdUnavailable, match="not reachable"):
-            await client.wait_until_available(0.5)
+            await etcd_helpers.wait_until_available(client, 0.5)
         restart = asyncio.create_task(asyncio.to_thread(local_etcd.restart))
-        await client.wait_until_available(20)
+        await etcd_helpers.wait_until_available(client, 20)
         await restart
         assert await client.status()
 
@@ -552,7 +537,7 @@ def test_local_etcd_startup_failure_shows_the_log(tmp_path: Path) -> None:
 def test_run_foreground_forwards_sigterm(tmp_path: Path) -> None:
     port = free_port()
     code = (
-        "import sys; from pdcoord.etcd_server import run_foreground; "
+        "import sys; from pdcoord.dev.etcd_server import run_foreground; "
         f"sys.exit(run_foreground({port}, {str(tmp_path / 'fg')!r}, peer_port={free_port()}))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, start_new_session=True)

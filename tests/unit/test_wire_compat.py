@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent / "frozen"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "frozen"))
 
 import coordination_v0_pb2 as old
 

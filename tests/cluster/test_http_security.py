@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdcoord.cluster import LocalCluster, Master
-from pdcoord.launcher import ProcessGroup
-from pdcoord.netutil import free_port
+from pdcoord.dev.cluster import LocalCluster, Master
+from pdcoord.dev.launcher import ProcessGroup
+from pdcoord.dev.netutil import free_port
 from pdmaster.main import build_parser
 from tests.conftest import EtcdEndpoint
 

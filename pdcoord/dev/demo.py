@@ -8,17 +8,15 @@ restarted. Ends with a summary and exits 0 only when the invariants held.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter, defaultdict
 
-from pdcoord.cluster import LocalCluster, scrape_metrics
-from pdcoord.etcd_server import LocalEtcd
-from pdcoord.launcher import ProcessGroup
-from pdcoord.workload import Outcome, Workload, WorkloadConfig, percentile
+from pdcoord.dev.cluster import LocalCluster, scrape_metrics
+from pdcoord.dev.etcd_server import LocalEtcd
+from pdcoord.dev.launcher import ProcessGroup
+from pdcoord.dev.loadgen import HANG, BackgroundLoad, LoadConfig, Outcome, RequestMix, percentile
 
 PREFILL = {"p1": 32, "p2": 32}
 DECODE = {"d1": 8, "d2": 8, "d3": 4}
@@ -85,19 +83,16 @@ class Demo:
 
     def load(self, caps: dict[str, int]) -> list[Outcome]:
         duration = self.args.duration
-        cfg = WorkloadConfig(users=int(sum(DECODE.values()) * 1.5), duration_s=duration, seed=self.args.seed,
-                             max_tokens=24, request_timeout_s=60)  # fmt: skip
-        wl = Workload(self.live_masters, cfg)
-        result: list[Outcome] = []
-        runner = threading.Thread(target=lambda: result.extend(asyncio.run(wl.run())), daemon=True)
+        cfg = LoadConfig(users=int(sum(DECODE.values()) * 1.5), duration_s=duration, seed=self.args.seed,
+                         request_timeout_s=60, mix=RequestMix(max_tokens=24))  # fmt: skip
         start = time.monotonic()
-        runner.start()
+        load = BackgroundLoad(self.live_masters, cfg).start()
         killed = restarted = False
         c = self.cluster
-        while runner.is_alive():
-            runner.join(timeout=1.0)
+        while load.running:
+            load.join(timeout=1.0)
             el = time.monotonic() - start
-            self.progress(el, wl.outcomes)
+            self.progress(el, load.snapshot())
             if not killed and el >= 0.35 * duration:
                 killed = True
                 self.say(f"\n[{el:5.1f}s] SIGKILL master m2 (pid {c.masters['m2'].proc.pid})")
@@ -120,7 +115,7 @@ class Demo:
                     self.problems.append("m2 did not get its share back within 15 s")
                 self.shares["after"] = c.share_table()
         self.say("")
-        return result
+        return load.stop()
 
     def progress(self, elapsed: float, outcomes: list[Outcome]) -> None:
         done = len(outcomes)
@@ -180,7 +175,7 @@ class Demo:
             self.say(f"rejoin: shares re-sliced {self.rejoin_s:.2f}s after m2 restarted")
         errors = Counter(f"{o.status} {o.error}".strip() for o in outcomes if not o.ok)
         self.say("\nerrors by kind:" + ("".join(f"\n  {k}: {v}" for k, v in errors.most_common()) or " none"))
-        hangs = sum(1 for o in outcomes if o.status == -1)
+        hangs = sum(1 for o in outcomes if o.status == HANG)
         five_xx = [o for o in outcomes if o.status >= 500 and o.status != 503]
         if hangs:
             self.problems.append(f"{hangs} requests hung")

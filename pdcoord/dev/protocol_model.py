@@ -213,9 +213,9 @@ class ProtocolSim:
         for a in self.agents.values():
             if not a.alive:
                 self.agent_start(a)
-        for m in self.masters.values():
-            if not m.alive and not m.draining:
-                self.master_start(m.mid)
+        for sm in self.masters.values():
+            if not sm.alive and not sm.draining:
+                self.master_start(sm.mid)
         self.measure_from = self.now
         self.run_until(cfg.chaos_s + cfg.settle_s - cfg.quiet_s)
         self.arrivals_on = False

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.cluster
 
 
 def test_demo_keeps_its_promises_and_most_requests_complete() -> None:
-    argv = [sys.executable, "-c", "from pdcoord.cli import main; raise SystemExit(main())", "demo"]
+    argv = [sys.executable, "-c", "from pdcoord.dev.cli import main; raise SystemExit(main())", "demo"]
     # A session of its own: on a timeout the demo and everything it started are stopped together.
     proc = subprocess.Popen(
         [*argv, "--duration", "10", "--seed", "3"],

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
-from pdcoord.cluster import LocalCluster
-from tests.cluster_helpers import HANG, Load, LoadConfig, churn_masters, ready, summarize, wait_no_leases
-from tests.test_cluster_suite import DECODE, decode_queued, load_guard, run_load, start_fleet
+from pdcoord.dev.cluster import LocalCluster
+from pdcoord.dev.loadgen import HANG
+from tests.cluster.cluster_helpers import churn_masters, cluster_load, ready, summarize, wait_no_leases
+from tests.cluster.test_cluster_suite import DECODE, Loads, decode_queued, load_guard, run_load, start_fleet
 
 __all__ = ["load_guard"]  # the fixture, shared with the cluster suite
 
@@ -83,7 +84,7 @@ class UsableSampler:
 
 @pytest.mark.parametrize("mode", ["strict", "fast"])
 def test_masters_join_leave_and_restart_in_a_loop(
-    cluster: LocalCluster, load_guard: list[Load], mode: str
+    cluster: LocalCluster, load_guard: Loads, mode: str
 ) -> None:
     duration = float(os.environ.get("PDCOORD_HANDOVER_S", "20"))
     targets = start_fleet(cluster, MASTERS, agent_extra={"handover": mode})
@@ -121,7 +122,7 @@ def test_masters_join_leave_and_restart_in_a_loop(
 
 
 def test_demand_shares_follow_a_90_10_split_with_real_processes(
-    cluster: LocalCluster, load_guard: list[Load]
+    cluster: LocalCluster, load_guard: Loads
 ) -> None:
     """Two masters, 18 closed-loop users on one and 2 on the other: throughput static vs demand.
 
@@ -133,8 +134,8 @@ def test_demand_shares_follow_a_90_10_split_with_real_processes(
     m1, m2 = (cluster.masters[m].url for m in masters)
 
     def measure(seconds: float) -> tuple[float, dict[str, int]]:
-        busy = Load(lambda: [("m1", m1)], LoadConfig(users=18, max_tokens=16, seed=3, gang_fraction=0.0))
-        idle = Load(lambda: [("m2", m2)], LoadConfig(users=2, max_tokens=16, seed=4, gang_fraction=0.0))
+        busy = cluster_load(lambda: [("m1", m1)], users=18, max_tokens=16, seed=3, gangs=False)
+        idle = cluster_load(lambda: [("m2", m2)], users=2, max_tokens=16, seed=4, gangs=False)
         load_guard.extend([busy.start(), idle.start()])
         time.sleep(3.0)  # let the split settle
         before = len([r for r in busy.snapshot() + idle.snapshot() if r.ok])

@@ -10,11 +10,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdcoord.cluster import LocalCluster, http_json
+from pdcoord.dev.cluster import LocalCluster, http_json
 from pdcoord.tls import ClientTLS, ServerTLS, TLSConfigError
 from pdcoord.v1 import coordination_pb2 as pb
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
-from tests.pki import PKI, make_pki
+from tests.cluster.pki import PKI, make_pki
 
 pytestmark = pytest.mark.cluster
 
