@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Api = Literal["generate", "completions", "chat"]
+# Which engine's request rules apply: "both" is lenient (either router shape works); "sglang" and
+# "vllm" add the checks that engine makes, so a router sending the other engine's shape fails.
+Flavor = Literal["both", "sglang", "vllm"]
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
 
@@ -50,6 +53,10 @@ class GenRequest:
     bootstrap_port: int | None
     bootstrap_room: int | None
     kv_transfer_params: dict[str, Any] | None
+    # The KV rooms this request's prefill fills and its decode pulls: one shared room for an integer
+    # bootstrap_room, one per sample for a list of rooms, none without PD fields.
+    bootstrap_rooms: tuple[int, ...] = ()
+    min_tokens: int = 0
 
 
 def _is_int(v: object) -> bool:
@@ -107,22 +114,124 @@ def _max_tokens(value: int | None, limits: Limits, param: str, minimum: int) -> 
     return mt
 
 
-def _pd_fields(body: dict[str, Any]) -> tuple[str | None, int | None, int | None, dict[str, Any] | None]:
-    host = body.get("bootstrap_host")
+def _same_for_all(v: object, key: str) -> object:
+    """A per-sample list of bootstrap_host/port (as SGLang's batch form allows) must name one prefill."""
+    if not isinstance(v, list):
+        return v
+    if not v or any(x != v[0] for x in v):
+        raise BadRequest(
+            f"'{key}' as a list must repeat one value: pdsim pairs a request with one prefill", param=key
+        )
+    return v[0]
+
+
+def _pd_fields(
+    body: dict[str, Any],
+) -> tuple[str | None, int | None, int | None, list[int] | None, dict[str, Any] | None]:
+    host = _same_for_all(body.get("bootstrap_host"), "bootstrap_host")
     if host is not None and not isinstance(host, str):
         raise BadRequest("'bootstrap_host' must be a string", param="bootstrap_host", code="invalid_type")
-    port = _opt_int(body, "bootstrap_port")
-    if port is not None and not 0 < port <= 65535:
+    port = _same_for_all(body.get("bootstrap_port"), "bootstrap_port")
+    if port is not None and not _is_int(port):
+        raise BadRequest("'bootstrap_port' must be an integer", param="bootstrap_port", code="invalid_type")
+    if port is not None and not 0 < port <= 65535:  # type: ignore[operator]
         raise BadRequest("'bootstrap_port' must be a TCP port", param="bootstrap_port")
-    room = _opt_int(body, "bootstrap_room")
-    if room is not None and room < 0:
-        raise BadRequest("'bootstrap_room' must be >= 0", param="bootstrap_room")
+    raw_room = body.get("bootstrap_room")
+    room: int | None = None
+    rooms: list[int] | None = None
+    if isinstance(raw_room, list):
+        if not raw_room or not all(_is_int(r) for r in raw_room):
+            raise BadRequest(
+                "'bootstrap_room' must be an integer or a non-empty list of integers",
+                param="bootstrap_room",
+                code="invalid_type",
+            )
+        rooms = list(raw_room)
+        if len(set(rooms)) != len(rooms):
+            raise BadRequest("'bootstrap_room' list repeats a room", param="bootstrap_room")
+        if any(r < 0 for r in rooms):
+            raise BadRequest("'bootstrap_room' must be >= 0", param="bootstrap_room")
+        room = rooms[0]
+    else:
+        room = _opt_int(body, "bootstrap_room")
+        if room is not None and room < 0:
+            raise BadRequest("'bootstrap_room' must be >= 0", param="bootstrap_room")
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
         raise BadRequest(
             "'kv_transfer_params' must be an object", param="kv_transfer_params", code="invalid_type"
         )
-    return host, port, room, kv
+    return host, port, room, rooms, kv  # type: ignore[return-value]
+
+
+def _batch_size(api: Api, body: dict[str, Any]) -> int:
+    """How many prompts the body carries (SGLang's and OpenAI's list forms); 1 for a single prompt."""
+    if api == "generate":
+        text, ids = body.get("text"), body.get("input_ids")
+        if isinstance(text, list):
+            return len(text)
+        if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+            return len(ids)
+        return 1
+    if api == "completions":
+        p = body.get("prompt")
+        if isinstance(p, list) and p and all(isinstance(x, str | list) for x in p):
+            return len(p)
+    return 1
+
+
+def _check_rooms(
+    flavor: Flavor, room: int | None, rooms: list[int] | None, n: int, batch: int
+) -> tuple[int, ...]:
+    if rooms is not None:
+        if len(rooms) != n * batch:
+            raise BadRequest(
+                f"'bootstrap_room' has {len(rooms)} rooms but the request has {n * batch} samples "
+                f"(n={n} x {batch} prompt(s)); send one room per sample",
+                param="bootstrap_room",
+            )
+        return tuple(rooms)
+    if room is None:
+        return ()
+    if flavor == "sglang" and n * batch > 1:
+        what = f"n={n}" if batch == 1 else f"a batch of {batch} prompts" + (f" with n={n}" if n > 1 else "")
+        raise BadRequest(
+            f"'bootstrap_room' is one integer but the request has {what}: SGLang would send every "
+            "sample through the same bootstrap room, which hangs a PD deployment (prefill and decode "
+            "pair up the wrong transfers); send a list with one distinct room per sample",
+            param="bootstrap_room",
+            code="shared_bootstrap_room",
+        )
+    return (room,)
+
+
+def _min_tokens(
+    flavor: Flavor,
+    value: int | None,
+    max_tokens: int,
+    explicit_max: bool,
+    prompt_tokens: int,
+    limits: Limits,
+    param: str,
+) -> int:
+    if value is None or flavor == "both":
+        return 0  # the lenient flavour ignores min_tokens, as before
+    if flavor == "vllm":
+        # vLLM's SamplingParams check; with no max_tokens vLLM fills in the rest of the context.
+        limit = max_tokens if explicit_max else limits.context_length - prompt_tokens
+        if value < 0:
+            raise BadRequest(f"min_tokens must be greater than or equal to 0, got {value}.", param=param)
+        if value > limit:
+            raise BadRequest(
+                f"min_tokens must be less than or equal to max_tokens={limit}, got {value}.", param=param
+            )
+        return value
+    if not 0 <= value <= max_tokens:
+        # SGLang's SamplingParams.verify wording.
+        raise BadRequest(
+            f"min_new_tokens must be in [0, max_new_tokens({max_tokens})], got {value}.", param=param
+        )
+    return value
 
 
 def _check_context(prompt_tokens: int, max_tokens: int, limits: Limits, param: str) -> None:
@@ -135,11 +244,20 @@ def _check_context(prompt_tokens: int, max_tokens: int, limits: Limits, param: s
         )
 
 
-def parse_request(api: Api, body: object, limits: Limits, *, prompt_tokens_of: Any) -> GenRequest:
+def parse_request(
+    api: Api, body: object, limits: Limits, *, prompt_tokens_of: Any, flavor: Flavor = "both"
+) -> GenRequest:
     """Validate ``body`` for ``api``; raises :class:`BadRequest` with an OpenAI-style message."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_type")
-    host, port, room, kv = _pd_fields(body)
+    host, port, room, room_list, kv = _pd_fields(body)
+    batch = _batch_size(api, body)
+    if batch > 1 and (room is not None):
+        # Say why a shared room is wrong before saying that pdsim serves no batches.
+        sp = body.get("sampling_params") if api == "generate" else body
+        n_raw = sp.get("n") if isinstance(sp, dict) else None
+        n_guess = n_raw if isinstance(n_raw, int) and not isinstance(n_raw, bool) and n_raw > 0 else 1
+        _check_rooms(flavor, room, room_list, n_guess, batch)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", param="model", code="invalid_type")
@@ -177,13 +295,11 @@ def parse_request(api: Api, body: object, limits: Limits, *, prompt_tokens_of: A
             )
         _check_numbers(sp, ("temperature", "top_p", "top_k"), "sampling_params.")
         n = _n(_opt_int(sp, "n", "sampling_params.n"), limits, "sampling_params.n")
-        max_tokens = _max_tokens(
-            _opt_int(sp, "max_new_tokens", "sampling_params.max_new_tokens"),
-            limits,
-            "sampling_params.max_new_tokens",
-            0,
-        )
+        given_max = _opt_int(sp, "max_new_tokens", "sampling_params.max_new_tokens")
+        max_tokens = _max_tokens(given_max, limits, "sampling_params.max_new_tokens", 0)
         param = "sampling_params.max_new_tokens"
+        min_param = "sampling_params.min_new_tokens"
+        min_given = _opt_int(sp, "min_new_tokens", min_param) if flavor != "both" else None
     else:
         _check_numbers(body, ("temperature", "top_p", "presence_penalty", "frequency_penalty"))
         so = body.get("stream_options")
@@ -203,11 +319,18 @@ def parse_request(api: Api, body: object, limits: Limits, *, prompt_tokens_of: A
             mct = _opt_int(body, "max_completion_tokens")
             param = "max_completion_tokens" if mct is not None else "max_tokens"
             mt = mct if mct is not None else _opt_int(body, "max_tokens")
+        given_max = mt
         max_tokens = _max_tokens(mt, limits, param, 1)
+        min_param = "min_tokens"
+        min_given = _opt_int(body, "min_tokens") if flavor != "both" else None
     prompt_tokens = prompt_tokens_of(prompt)
     if prompt_tokens == 0:
         raise BadRequest("the prompt must not be empty", param="prompt" if api != "generate" else "text")
     _check_context(prompt_tokens, max_tokens, limits, param)
+    min_tokens = _min_tokens(
+        flavor, min_given, max_tokens, given_max is not None, prompt_tokens, limits, min_param
+    )
+    rooms = _check_rooms(flavor, room, room_list, n, 1)
     return GenRequest(
         api=api,
         prompt=prompt,
@@ -221,6 +344,8 @@ def parse_request(api: Api, body: object, limits: Limits, *, prompt_tokens_of: A
         bootstrap_port=port,
         bootstrap_room=room,
         kv_transfer_params=kv,
+        bootstrap_rooms=rooms,
+        min_tokens=min_tokens,
     )
 
 
