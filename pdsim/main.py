@@ -254,7 +254,8 @@ def faults_from_args(args: argparse.Namespace) -> Faults:
 class MainSite:
     """The main HTTP listener, which the refuse fault closes and reopens on the same port.
 
-    Closing only stops accepting: connections already open (streams in flight) carry on.
+    Closing stops accepting and closes idle keep-alive connections (a client's pool would otherwise
+    keep reaching the "dead" engine); a request in flight finishes, then its connection closes.
     """
 
     def __init__(self, runner: web.AppRunner, host: str) -> None:
@@ -276,6 +277,9 @@ class MainSite:
         elif not want and self.site is not None:
             await self.site.stop()
             self.site = None
+            server = self.runner.server
+            for handler in server.connections if server is not None else []:
+                handler.close()
 
 
 def resolve_bootstrap_port(role: str, main_port: int, given: int | None) -> int | None:
