@@ -57,6 +57,18 @@ class GenRequest:
     # bootstrap_room, one per sample for a list of rooms, none without PD fields.
     bootstrap_rooms: tuple[int, ...] = ()
     min_tokens: int = 0
+    # A batch of prompts (SGLang flavour only); empty for the usual single ``prompt``.
+    prompts: tuple[str | list[int], ...] = ()
+
+    @property
+    def all_prompts(self) -> tuple[str | list[int], ...]:
+        return self.prompts or (self.prompt,)
+
+    @property
+    def choices(self) -> int:
+        """Sequences this request generates: n per prompt, numbered prompt-major (prompt i, sample j
+        is choice ``i * n + j``), as SGLang and OpenAI number a batch's outputs."""
+        return self.n * len(self.all_prompts)
 
 
 def _is_int(v: object) -> bool:
@@ -264,7 +276,8 @@ def parse_request(
     stream = _opt_bool(body, "stream") or False
     rid: str | None = None
     include_usage = False
-    prompt: str | list[int]
+    prompts: list[str | list[int]]
+    batch_ok = flavor == "sglang"  # SGLang serves lists of prompts; the other flavours refuse them
     if api == "generate":
         rid_v = body.get("rid")
         if rid_v is not None and not isinstance(rid_v, str):
@@ -276,16 +289,27 @@ def parse_request(
                 "exactly one of 'text' or 'input_ids' is required", param="text", code="missing_field"
             )
         if text is not None:
-            if not isinstance(text, str):
+            if isinstance(text, str):
+                prompts = [text]
+            elif batch_ok and isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+                prompts = list(text)
+            else:
                 raise BadRequest("'text' must be a string (batches are not supported)", param="text")
-            prompt = text
         else:
             parsed = _token_ids(ids, "input_ids")
-            if parsed is None:
+            if parsed is not None:
+                prompts = [parsed]
+            elif batch_ok and isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+                batch_ids = [_token_ids(x, "input_ids") for x in ids]
+                if any(b is None for b in batch_ids):
+                    raise BadRequest(
+                        "'input_ids' must be lists of integers", param="input_ids", code="invalid_type"
+                    )
+                prompts = [b for b in batch_ids if b is not None]
+            else:
                 raise BadRequest(
                     "'input_ids' must be a list of integers", param="input_ids", code="invalid_type"
                 )
-            prompt = parsed
         sp = body.get("sampling_params", {})
         if sp is None:
             sp = {}
@@ -311,11 +335,11 @@ def parse_request(
             include_usage = _opt_bool(so, "include_usage", "stream_options.include_usage") or False
         n = _n(_opt_int(body, "n"), limits, "n")
         if api == "completions":
-            prompt = _completion_prompt(body.get("prompt"))
+            prompts = _completion_prompts(body.get("prompt"), batch_ok)
             param = "max_tokens"
             mt = _opt_int(body, "max_tokens")
         else:
-            prompt = _chat_prompt(body.get("messages"))
+            prompts = [_chat_prompt(body.get("messages"))]
             mct = _opt_int(body, "max_completion_tokens")
             param = "max_completion_tokens" if mct is not None else "max_tokens"
             mt = mct if mct is not None else _opt_int(body, "max_tokens")
@@ -323,17 +347,19 @@ def parse_request(
         max_tokens = _max_tokens(mt, limits, param, 1)
         min_param = "min_tokens"
         min_given = _opt_int(body, "min_tokens") if flavor != "both" else None
-    prompt_tokens = prompt_tokens_of(prompt)
-    if prompt_tokens == 0:
+    each = [prompt_tokens_of(p) for p in prompts]
+    if min(each) == 0:
         raise BadRequest("the prompt must not be empty", param="prompt" if api != "generate" else "text")
+    prompt_tokens = max(each)
     _check_context(prompt_tokens, max_tokens, limits, param)
     min_tokens = _min_tokens(
         flavor, min_given, max_tokens, given_max is not None, prompt_tokens, limits, min_param
     )
-    rooms = _check_rooms(flavor, room, room_list, n, 1)
+    rooms = _check_rooms(flavor, room, room_list, n, len(prompts))
     return GenRequest(
         api=api,
-        prompt=prompt,
+        prompt=prompts[0],
+        prompts=tuple(prompts) if len(prompts) > 1 else (),
         n=n,
         max_tokens=max_tokens,
         stream=stream,
@@ -347,6 +373,23 @@ def parse_request(
         bootstrap_rooms=rooms,
         min_tokens=min_tokens,
     )
+
+
+def _completion_prompts(v: object, batch_ok: bool) -> list[str | list[int]]:
+    if batch_ok and isinstance(v, list) and len(v) > 1:
+        if all(isinstance(x, str) for x in v):
+            return list(v)
+        if all(isinstance(x, list) for x in v):
+            out: list[str | list[int]] = []
+            for x in v:
+                ids = _token_ids(x, "prompt")
+                if not ids:
+                    raise BadRequest(
+                        "'prompt' lists must hold token ids", param="prompt", code="invalid_type"
+                    )
+                out.append(ids)
+            return out
+    return [_completion_prompt(v)]
 
 
 def _completion_prompt(v: object) -> str | list[int]:
@@ -436,12 +479,14 @@ class Formatter:
     rid: str
     created: int
     model: str
-    prompt_tokens: int
+    prompt_tokens: int  # over all prompts of a batch
     cached_tokens: int
+    # (prompt tokens, cached tokens) of each prompt of a batch, for SGLang's per-output meta_info.
+    per_prompt: tuple[tuple[int, int], ...] = ()
     _text: str = ""
 
     def _usage(self, completion_tokens: int) -> dict[str, Any]:
-        total_completion = completion_tokens * self.req.n
+        total_completion = completion_tokens * self.req.choices
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": total_completion,
@@ -449,12 +494,17 @@ class Formatter:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
-    def _meta(self, k: int, finished: bool) -> dict[str, Any]:
+    def _meta(self, k: int, finished: bool, choice: int) -> dict[str, Any]:
+        pt, ct = (
+            self.per_prompt[choice // self.req.n]
+            if self.per_prompt
+            else (self.prompt_tokens, self.cached_tokens)
+        )
         return {
             "id": self.rid,
-            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens": pt,
             "completion_tokens": k,
-            "cached_tokens": self.cached_tokens,
+            "cached_tokens": ct,
             "finish_reason": {"type": "length", "length": k} if finished else None,
         }
 
@@ -473,7 +523,7 @@ class Formatter:
 
     def start_chunks(self) -> Iterator[dict[str, Any]]:
         if self.req.api == "chat":
-            for i in range(self.req.n):
+            for i in range(self.req.choices):
                 delta = {"role": "assistant", "content": ""}
                 yield self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
 
@@ -482,10 +532,10 @@ class Formatter:
         finished = k == total
         tok = token_text(k) if k else ""
         self._text += tok
-        for i in range(self.req.n):
+        for i in range(self.req.choices):
             if self.req.api == "generate":
-                chunk: dict[str, Any] = {"text": self._text, "meta_info": self._meta(k, finished)}
-                if self.req.n > 1:
+                chunk: dict[str, Any] = {"text": self._text, "meta_info": self._meta(k, finished, i)}
+                if self.req.choices > 1:
                     chunk["index"] = i
                 yield chunk
             elif self.req.api == "completions":
@@ -498,7 +548,7 @@ class Formatter:
 
     def end_chunks(self, total: int) -> Iterator[dict[str, Any]]:
         if self.req.api == "chat":
-            for i in range(self.req.n):
+            for i in range(self.req.choices):
                 yield self._chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": "length"}])
         if self.req.api != "generate" and self.req.include_usage:
             yield {**self._chunk([]), "usage": self._usage(total)}
@@ -509,19 +559,19 @@ class Formatter:
             items = [
                 {
                     "text": text,
-                    "meta_info": self._meta(total, True),
-                    **({"index": i} if self.req.n > 1 else {}),
+                    "meta_info": self._meta(total, True, i),
+                    **({"index": i} if self.req.choices > 1 else {}),
                 }
-                for i in range(self.req.n)
+                for i in range(self.req.choices)
             ]
-            out: Any = items[0] if self.req.n == 1 else items
+            out: Any = items[0] if self.req.choices == 1 else items
             if extra and isinstance(out, dict):
                 out = {**out, **extra}
             return out
         if self.req.api == "completions":
             choices: list[dict[str, Any]] = [
                 {"index": i, "text": text, "logprobs": None, "finish_reason": "length"}
-                for i in range(self.req.n)
+                for i in range(self.req.choices)
             ]
             obj = "text_completion"
         else:
@@ -532,7 +582,7 @@ class Formatter:
                     "logprobs": None,
                     "finish_reason": "length",
                 }
-                for i in range(self.req.n)
+                for i in range(self.req.choices)
             ]
             obj = "chat.completion"
         resp: dict[str, Any] = {

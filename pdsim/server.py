@@ -282,9 +282,10 @@ class Engine:
             if read_error is not None:
                 raise read_error
             req = parse_request(api, body, self.limits, prompt_tokens_of=count_tokens, flavor=self.cfg.flavor)
-            if self.cfg.role == "decode" and req.n > self.cfg.running_max_req_size:
+            if self.cfg.role == "decode" and req.choices > self.cfg.running_max_req_size:
+                what = f"n={req.n}" if req.choices == req.n else f"{req.choices} sequences (prompts x n)"
                 raise BadRequest(
-                    f"n={req.n} exceeds this server's running_max_req_size {self.cfg.running_max_req_size}",
+                    f"{what} exceeds this server's running_max_req_size {self.cfg.running_max_req_size}",
                     param="n",
                 )
             if (
@@ -363,25 +364,29 @@ class Engine:
             await self.pool.acquire(1)
             try:
                 async with self._prefill_sem:
-                    lookup = self.cache.lookup_and_insert(req.prompt)
-                    self.prompt_tokens_total.inc(lookup.prompt_tokens)
-                    self.cached_tokens_total.inc(lookup.cached_tokens)
-                    self.prompt_tokens_seen += lookup.prompt_tokens
-                    self.cached_tokens_seen += lookup.cached_tokens
+                    # A batch's prompts are prefilled in one pass.
+                    lookups = [self.cache.lookup_and_insert(p) for p in req.all_prompts]
+                    prompt_tokens = sum(lk.prompt_tokens for lk in lookups)
+                    cached_tokens = sum(lk.cached_tokens for lk in lookups)
+                    self.prompt_tokens_total.inc(prompt_tokens)
+                    self.cached_tokens_total.inc(cached_tokens)
+                    self.prompt_tokens_seen += prompt_tokens
+                    self.cached_tokens_seen += cached_tokens
                     t = self.cfg.timing
-                    delay_ms = t.prefill_base_ms + t.prefill_per_token_ms * lookup.uncached_tokens
+                    uncached = sum(lk.uncached_tokens for lk in lookups)
+                    delay_ms = t.prefill_base_ms + t.prefill_per_token_ms * uncached
                     await asyncio.sleep(faults.slow * delay_ms / 1000.0)
             finally:
                 self.pool.release(1)
             for key in keys:
-                self.kv.finish(key, lookup.prompt_tokens)
+                self.kv.finish(key, prompt_tokens)
         except BaseException:
             for key in keys:
                 self.kv.abort(key)
             raise
         extra: dict[str, Any] | None = None
         if keys and not req.bootstrap_rooms:
-            n_blocks = -(-lookup.prompt_tokens // self.cfg.cache_block_tokens)
+            n_blocks = -(-prompt_tokens // self.cfg.cache_block_tokens)
             extra = {
                 "kv_transfer_params": {
                     "do_remote_prefill": True,
@@ -397,8 +402,9 @@ class Engine:
         # The prefill's own answer is one token, unpaced: the PD router discards it.
         total = min(1, req.max_tokens)
         self.tokens_total.inc(total)
+        per_prompt = tuple((lk.prompt_tokens, lk.cached_tokens) for lk in lookups)
         return await self._respond(
-            request, req, rid, lookup.prompt_tokens, lookup.cached_tokens, total, extra, faults
+            request, req, rid, prompt_tokens, cached_tokens, total, extra, faults, per_prompt=per_prompt
         )
 
     async def _pull_kv(self, host: str, port: int, key: str, timeout_s: float) -> None:
@@ -461,14 +467,19 @@ class Engine:
         except KVTransferError as exc:
             log.warning("%s: %s", rid, exc)
             return self.error(502, str(exc), code="kv_transfer_failed")
-        prompt_tokens = count_tokens(req.prompt)
+        each = [count_tokens(p) for p in req.all_prompts]
+        per_prompt = tuple((pt, 0) for pt in each)
+        prompt_tokens = sum(each)
         total = req.max_tokens
         if total == 0:
-            return await self._respond(request, req, rid, prompt_tokens, 0, 0, None, faults)
-        n = req.n
+            return await self._respond(
+                request, req, rid, prompt_tokens, 0, 0, None, faults, per_prompt=per_prompt
+            )
+        n = req.choices  # every sample of every prompt is a sequence in the batch
         await self.pool.acquire(n)
         generated = 0
-        self.kv_tokens += n * prompt_tokens
+        held = req.n * prompt_tokens  # each prompt's KV, once per sample
+        self.kv_tokens += held
 
         def on_token() -> None:
             nonlocal generated
@@ -478,11 +489,20 @@ class Engine:
 
         try:
             return await self._respond(
-                request, req, rid, prompt_tokens, 0, total, None, faults, on_token=on_token
+                request,
+                req,
+                rid,
+                prompt_tokens,
+                0,
+                total,
+                None,
+                faults,
+                per_prompt=per_prompt,
+                on_token=on_token,
             )
         finally:
             # Runs on completion, error and cancellation alike: the slot never leaks.
-            self.kv_tokens -= n * (prompt_tokens + generated)
+            self.kv_tokens -= held + n * generated
             self.pool.release(n)
 
     async def _respond(
@@ -496,6 +516,7 @@ class Engine:
         extra: dict[str, Any] | None,
         faults: Faults,
         *,
+        per_prompt: tuple[tuple[int, int], ...] = (),
         on_token: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
         """Write the response; with ``on_token`` the tokens are paced by the decode timing model."""
@@ -507,6 +528,7 @@ class Engine:
             model=req.model or self.cfg.model,
             prompt_tokens=prompt_tokens,
             cached_tokens=cached_tokens,
+            per_prompt=per_prompt if len(per_prompt) > 1 else (),
         )
         stall_after = faults.hang_after_chunks
         resp: web.StreamResponse | None = None
