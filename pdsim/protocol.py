@@ -280,6 +280,11 @@ def parse_request(
     batch_ok = flavor == "sglang"  # SGLang serves lists of prompts; the other flavours refuse them
     if api == "generate":
         rid_v = body.get("rid")
+        if batch_ok and isinstance(rid_v, list) and rid_v and all(isinstance(r, str) for r in rid_v):
+            # SGLang's batch form: one rid per prompt (pdsim answers under the first).
+            if len(rid_v) != batch:
+                raise BadRequest(f"'rid' has {len(rid_v)} ids for {batch} prompt(s)", param="rid")
+            rid_v = rid_v[0]
         if rid_v is not None and not isinstance(rid_v, str):
             raise BadRequest("'rid' must be a string", param="rid", code="invalid_type")
         rid = rid_v

@@ -147,6 +147,29 @@ async def test_vllm_rejects_a_request_id_already_running(sims: Launch) -> None:
         await eventually(reusable, "the id to be free once its request ended")
 
 
+async def test_vllm_pd_flow_passes_the_strict_checks(sims: Launch) -> None:
+    p = sims("prefill", "--api", "vllm")
+    d = sims("decode", "--api", "vllm")
+    headers = {"X-Request-Id": "same-id-on-both"}  # as vLLM's PD proxy sends it
+    async with aiohttp.ClientSession() as s:
+        leg = {
+            "prompt": "hello",
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
+        status, out = await post(s, p.url + "/v1/completions", leg, headers=headers)
+        assert status == 200, out
+        body = {
+            "prompt": "hello",
+            "max_tokens": 3,
+            "min_tokens": 2,
+            "kv_transfer_params": out["kv_transfer_params"],
+        }
+        status, out = await post(s, d.url + "/v1/completions", body, headers=headers)
+        assert status == 200 and out["choices"][0]["text"] == " tok1 tok2 tok3"
+
+
 # ---- SGLang ------------------------------------------------------------------------------------
 
 
@@ -203,12 +226,16 @@ async def test_sglang_room_per_sample_and_per_prompt_is_served(sims: Launch) -> 
             assert ds == 200, dout
             return dout
 
+        out = await both_legs(
+            "/generate", pd(p, {"text": "hi", "sampling_params": {"max_new_tokens": 2}}, room())
+        )
+        assert out["text"] == " tok1 tok2"  # one sample, one integer room: fine
         rooms = [room() for _ in range(3)]
         out = await both_legs(
             "/generate", pd(p, {"text": "hi", "sampling_params": {"n": 3, "max_new_tokens": 2}}, rooms)
         )
         assert [o["index"] for o in out] == [0, 1, 2] and {o["text"] for o in out} == {" tok1 tok2"}
-        assert await metric(s, d, "pdsim_kv_transfers_total") == 3.0
+        assert await metric(s, d, "pdsim_kv_transfers_total") == 1.0 + 3
         # What the prefill received is what the router sent.
         async with s.get(p.url + "/admin/requests", params={"path": "/generate"}) as resp:
             assert (await resp.json())["requests"][-1]["body"]["bootstrap_room"] == rooms
@@ -222,9 +249,10 @@ async def test_sglang_room_per_sample_and_per_prompt_is_served(sims: Launch) -> 
         out = await both_legs("/v1/completions", pd(p, batch, [room() for _ in range(4)]))
         assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
         assert out["usage"]["prompt_tokens"] == 10 + 2 and out["usage"]["completion_tokens"] == 8
-        out = await both_legs("/generate", pd(p, {"text": ["a" * 40, "b" * 8]}, [room(), room()]))
+        gen = {"text": ["a" * 40, "b" * 8], "rid": ["r-a", "r-b"]}
+        out = await both_legs("/generate", pd(p, gen, [room(), room()]))
         assert [o["meta_info"]["prompt_tokens"] for o in out] == [10, 2]
-        assert await metric(s, d, "pdsim_kv_transfers_total") == 3.0 + 2 + 4 + 2
+        assert await metric(s, d, "pdsim_kv_transfers_total") == 1.0 + 3 + 2 + 4 + 2
 
         # Each sample waits for its own room: a room the prefill never saw fails the request.
         a, b = room(), room()
