@@ -107,6 +107,13 @@ def build_parser() -> EnvArgumentParser:
         help="which engine's HTTP API and request checks to mirror (both = lenient, either shape)",
     )
     p.add_argument(
+        "--sglang-sample-rooms",
+        choices=["accept", "reject"],
+        default="accept",
+        help="--api sglang, n > 1 with bootstrap rooms: serve a list of one room per sample, or "
+        "refuse it as real SGLang cannot serve it (it reuses the prompt's first room for every sample)",
+    )
+    p.add_argument(
         "--admin-port",
         type=port,
         default=None,
@@ -175,6 +182,7 @@ async def serve(args: argparse.Namespace) -> None:
         metrics=not args.disable_metrics,
         health_timeout_s=args.health_timeout,
         request_log_size=args.request_log_size,
+        sglang_sample_rooms=args.sglang_sample_rooms == "accept",
         faults=faults_from_args(args),
     )
     engine = Engine(cfg)

@@ -193,8 +193,23 @@ def _batch_size(api: Api, body: dict[str, Any]) -> int:
 
 
 def _check_rooms(
-    flavor: Flavor, room: int | None, rooms: list[int] | None, n: int, batch: int
+    flavor: Flavor,
+    room: int | None,
+    rooms: list[int] | None,
+    n: int,
+    batch: int,
+    sample_rooms: bool = True,
 ) -> tuple[int, ...]:
+    if flavor == "sglang" and not sample_rooms and n > 1 and (room is not None or rooms is not None):
+        # SGLang's tokenizer manager sends every sample of prompt i (and a max_new_tokens=0
+        # prefix-caching request before them) with the room of prompt i, whatever the list says.
+        raise BadRequest(
+            f"n={n} with bootstrap rooms: SGLang sends all {n} samples of a prompt, and a prefix-caching "
+            "request before them, through that prompt's one room, which hangs a PD deployment; "
+            "send n requests with n=1 instead",
+            param="bootstrap_room",
+            code="parallel_sampling_in_pd",
+        )
     if rooms is not None:
         if len(rooms) != n * batch:
             raise BadRequest(
@@ -257,7 +272,13 @@ def _check_context(prompt_tokens: int, max_tokens: int, limits: Limits, param: s
 
 
 def parse_request(
-    api: Api, body: object, limits: Limits, *, prompt_tokens_of: Any, flavor: Flavor = "both"
+    api: Api,
+    body: object,
+    limits: Limits,
+    *,
+    prompt_tokens_of: Any,
+    flavor: Flavor = "both",
+    sample_rooms: bool = True,
 ) -> GenRequest:
     """Validate ``body`` for ``api``; raises :class:`BadRequest` with an OpenAI-style message."""
     if not isinstance(body, dict):
@@ -360,7 +381,7 @@ def parse_request(
     min_tokens = _min_tokens(
         flavor, min_given, max_tokens, given_max is not None, prompt_tokens, limits, min_param
     )
-    rooms = _check_rooms(flavor, room, room_list, n, len(prompts))
+    rooms = _check_rooms(flavor, room, room_list, n, len(prompts), sample_rooms)
     return GenRequest(
         api=api,
         prompt=prompts[0],

@@ -74,6 +74,9 @@ class Config:
     # SGLANG_HEALTH_CHECK_TIMEOUT, 20 s by default).
     health_timeout_s: float = 20.0
     request_log_size: int = 1000
+    # --api sglang: serve n > 1 with one room per sample (True), or refuse PD requests with n > 1
+    # as real SGLang mishandles them (False).
+    sglang_sample_rooms: bool = True
     faults: Faults = field(default_factory=Faults)
 
 
@@ -281,7 +284,14 @@ class Engine:
         try:
             if read_error is not None:
                 raise read_error
-            req = parse_request(api, body, self.limits, prompt_tokens_of=count_tokens, flavor=self.cfg.flavor)
+            req = parse_request(
+                api,
+                body,
+                self.limits,
+                prompt_tokens_of=count_tokens,
+                flavor=self.cfg.flavor,
+                sample_rooms=self.cfg.sglang_sample_rooms,
+            )
             if self.cfg.role == "decode" and req.choices > self.cfg.running_max_req_size:
                 what = f"n={req.n}" if req.choices == req.n else f"{req.choices} sequences (prompts x n)"
                 raise BadRequest(

@@ -333,3 +333,22 @@ async def test_sglang_metrics_off_and_plain_health(sims: Launch) -> None:
         assert await get(s, off.url + "/health") == (200, "")
         assert (await get(s, off.url + "/health_generate"))[0] == 200
         assert (await get(s, off.url + "/load"))[0] == 404  # vLLM's, not SGLang's
+
+
+async def test_sglang_reject_mode_refuses_parallel_sampling_with_rooms(sims: Launch) -> None:
+    p = sims("prefill", "--api", "sglang", "--sglang-sample-rooms", "reject")
+    d = sims("decode", "--api", "sglang", "--sglang-sample-rooms", "reject")
+    async with aiohttp.ClientSession() as s:
+        for rooms in ([room(), room()], room()):
+            body = pd(p, {"text": "hi", "sampling_params": {"n": 2}}, rooms)
+            status, out = await post(s, d.url + "/generate", body)
+            assert status == 400 and out["error"]["code"] == "parallel_sampling_in_pd", out
+        # One room per prompt of a batch is what SGLang does serve.
+        body = pd(p, {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 1}}, [room(), room()])
+        (ps, _), (ds, out) = await asyncio.gather(
+            post(s, p.url + "/generate", body), post(s, d.url + "/generate", body)
+        )
+        assert ps == 200 and ds == 200 and len(out) == 2
+        # Without PD fields n > 1 is an ordinary request.
+        status, out = await post(s, d.url + "/generate", {"text": "hi", "sampling_params": {"n": 2}})
+        assert status == 200 and len(out) == 2
