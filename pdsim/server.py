@@ -448,12 +448,15 @@ class Engine:
                 assert req.bootstrap_host is not None and req.bootstrap_port is not None
                 host, bport = req.bootstrap_host, req.bootstrap_port
                 # One transfer per room; with a room per sample each sample's KV arrives separately.
-                await asyncio.gather(
-                    *(
-                        self._pull_kv(host, bport, str(room), self.cfg.kv_wait_timeout_s)
-                        for room in req.bootstrap_rooms
-                    )
-                )
+                pulls = [
+                    asyncio.ensure_future(self._pull_kv(host, bport, str(room), self.cfg.kv_wait_timeout_s))
+                    for room in req.bootstrap_rooms
+                ]
+                try:
+                    await asyncio.gather(*pulls)
+                finally:
+                    for pull in pulls:  # one failed (or the client left): stop waiting for the rest
+                        pull.cancel()
             elif kv_params.get("do_remote_prefill"):
                 host_v, port_v, key = (
                     kv_params.get("remote_host"),
