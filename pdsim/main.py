@@ -21,7 +21,8 @@ from pdcoord.config import (
     positive_int,
     setup_logging,
 )
-from pdsim.server import Config, Engine, Timing, build_app, build_bootstrap_app
+from pdsim.faults import Faults
+from pdsim.server import Config, Engine, Timing, build_admin_app, build_app, build_bootstrap_app
 
 log = logging.getLogger("pdsim")
 
@@ -38,6 +39,20 @@ def non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+def status_5xx(text: str) -> int:
+    value = int(text)
+    if not 500 <= value <= 599:
+        raise argparse.ArgumentTypeError(f"must be a 5xx status, got {text}")
     return value
 
 
@@ -85,6 +100,53 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument(
         "--fast", action="store_true", help="tiny timings for tests (explicit timing flags still win)"
     )
+    p.add_argument(
+        "--api",
+        choices=["both", "sglang", "vllm"],
+        default="both",
+        help="which engine's HTTP API and request checks to mirror (both = lenient, either shape)",
+    )
+    p.add_argument(
+        "--sglang-sample-rooms",
+        choices=["accept", "reject"],
+        default="accept",
+        help="--api sglang, n > 1 with bootstrap rooms: serve a list of one room per sample, or "
+        "refuse it as real SGLang cannot serve it (it reuses the prompt's first room for every sample)",
+    )
+    p.add_argument(
+        "--admin-port",
+        type=port,
+        default=None,
+        help="separate listener for /admin/* (0 = a free port); needed for the refuse fault at run time",
+    )
+    p.add_argument(
+        "--disable-metrics", action="store_true", help="no /metrics (like SGLang without --enable-metrics)"
+    )
+    p.add_argument(
+        "--health-timeout",
+        type=positive_float,
+        default=20.0,
+        help="seconds /health waits for a generation before 503 (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT)",
+    )
+    p.add_argument(
+        "--request-log-size", type=non_negative_int, default=1000, help="requests kept for /admin/requests"
+    )
+    f = p.add_argument_group("faults (also settable at run time through /admin/faults)")
+    f.add_argument("--fault-refuse", action="store_true", help="the main port accepts no connections")
+    f.add_argument(
+        "--fault-error-rate", type=fraction, default=0.0, help="fraction of generation requests failed"
+    )
+    f.add_argument("--fault-error-status", type=status_5xx, default=503, help="status of a failed request")
+    f.add_argument("--fault-seed", type=int, default=0, help="seed of the error draw (reproducible)")
+    f.add_argument("--fault-hang", action="store_true", help="accept generation requests, never answer")
+    f.add_argument(
+        "--fault-hang-after-chunks",
+        type=non_negative_int,
+        default=None,
+        help="stop a response after this many tokens, keeping the connection open",
+    )
+    f.add_argument("--fault-slow", type=positive_float, default=1.0, help="multiplier on the timing model")
+    f.add_argument("--fault-health-fail", action="store_true", help="/health answers 503")
     add_common_flags(p)
     return p
 
@@ -116,6 +178,12 @@ async def serve(args: argparse.Namespace) -> None:
         kv_ttl_s=args.kv_ttl,
         max_body_bytes=args.max_body_bytes,
         timing=timing_from_args(args),
+        flavor=args.api,
+        metrics=not args.disable_metrics,
+        health_timeout_s=args.health_timeout,
+        request_log_size=args.request_log_size,
+        sglang_sample_rooms=args.sglang_sample_rooms == "accept",
+        faults=faults_from_args(args),
     )
     engine = Engine(cfg)
     await engine.start()
@@ -138,10 +206,17 @@ async def serve(args: argparse.Namespace) -> None:
             build_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
         )
         await runner.setup()
-        site = web.TCPSite(runner, host, args.port)
-        await site.start()
         runners.append(runner)
-        bound = _bound_port(runner)
+        main_site = MainSite(runner, host)
+        bound = await main_site.open(args.port)
+        engine.listener_control = main_site.set_open
+        if args.admin_port is not None:
+            arunner = web.AppRunner(build_admin_app(engine), access_log=None, shutdown_timeout=1.0)
+            await arunner.setup()
+            runners.append(arunner)
+            await web.TCPSite(arunner, host, args.admin_port).start()
+            engine.admin_port = _bound_port(arunner)
+        await engine.apply_listener()  # --fault-refuse: close the main port right away
         t = cfg.timing
         log.info(
             "role=%s capacity=%d prefill %.3g ms + %.3g ms/token, decode %.3g ms + %.3g ms/seq per token",
@@ -153,7 +228,8 @@ async def serve(args: argparse.Namespace) -> None:
             t.decode_per_seq_ms,
         )
         print(
-            f"pdsim ready role={cfg.role} port={bound} bootstrap_port={engine.bootstrap_port}",
+            f"pdsim ready role={cfg.role} port={bound} bootstrap_port={engine.bootstrap_port} "
+            f"admin_port={engine.admin_port}",
             flush=True,
         )
         stop = asyncio.Event()
@@ -162,10 +238,56 @@ async def serve(args: argparse.Namespace) -> None:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         log.info("shutting down")
+        # As SGLang does once it is asked to exit: /health answers 503 while streams drain.
+        engine.shutting_down = True
     finally:
         for r in reversed(runners):
             await r.cleanup()
         await engine.close()
+
+
+def faults_from_args(args: argparse.Namespace) -> Faults:
+    return Faults(
+        refuse=args.fault_refuse,
+        error_rate=args.fault_error_rate,
+        error_status=args.fault_error_status,
+        seed=args.fault_seed,
+        hang=args.fault_hang,
+        hang_after_chunks=args.fault_hang_after_chunks,
+        slow=args.fault_slow,
+        health_fail=args.fault_health_fail,
+    )
+
+
+class MainSite:
+    """The main HTTP listener, which the refuse fault closes and reopens on the same port.
+
+    Closing stops accepting and closes idle keep-alive connections (a client's pool would otherwise
+    keep reaching the "dead" engine); a request in flight finishes, then its connection closes.
+    """
+
+    def __init__(self, runner: web.AppRunner, host: str) -> None:
+        self.runner, self.host = runner, host
+        self.port = 0
+        self.site: web.TCPSite | None = None
+
+    async def open(self, port: int) -> int:
+        site = web.TCPSite(self.runner, self.host, port)
+        await site.start()
+        self.site = site
+        if not self.port:
+            self.port = _bound_port(self.runner)  # the only site of its runner
+        return self.port
+
+    async def set_open(self, want: bool) -> None:
+        if want and self.site is None:
+            await self.open(self.port)
+        elif not want and self.site is not None:
+            await self.site.stop()
+            self.site = None
+            server = self.runner.server
+            for handler in server.connections if server is not None else []:
+                handler.close()
 
 
 def resolve_bootstrap_port(role: str, main_port: int, given: int | None) -> int | None:

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Api = Literal["generate", "completions", "chat"]
+# Which engine's request rules apply: "both" is lenient (either router shape works); "sglang" and
+# "vllm" add the checks that engine makes, so a router sending the other engine's shape fails.
+Flavor = Literal["both", "sglang", "vllm"]
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
 
@@ -50,6 +53,22 @@ class GenRequest:
     bootstrap_port: int | None
     bootstrap_room: int | None
     kv_transfer_params: dict[str, Any] | None
+    # The KV rooms this request's prefill fills and its decode pulls: one shared room for an integer
+    # bootstrap_room, one per sample for a list of rooms, none without PD fields.
+    bootstrap_rooms: tuple[int, ...] = ()
+    min_tokens: int = 0
+    # A batch of prompts (SGLang flavour only); empty for the usual single ``prompt``.
+    prompts: tuple[str | list[int], ...] = ()
+
+    @property
+    def all_prompts(self) -> tuple[str | list[int], ...]:
+        return self.prompts or (self.prompt,)
+
+    @property
+    def choices(self) -> int:
+        """Sequences this request generates: n per prompt, numbered prompt-major (prompt i, sample j
+        is choice ``i * n + j``), as SGLang and OpenAI number a batch's outputs."""
+        return self.n * len(self.all_prompts)
 
 
 def _is_int(v: object) -> bool:
@@ -107,22 +126,139 @@ def _max_tokens(value: int | None, limits: Limits, param: str, minimum: int) -> 
     return mt
 
 
-def _pd_fields(body: dict[str, Any]) -> tuple[str | None, int | None, int | None, dict[str, Any] | None]:
-    host = body.get("bootstrap_host")
+def _same_for_all(v: object, key: str) -> object:
+    """A per-sample list of bootstrap_host/port (as SGLang's batch form allows) must name one prefill."""
+    if not isinstance(v, list):
+        return v
+    if not v or any(x != v[0] for x in v):
+        raise BadRequest(
+            f"'{key}' as a list must repeat one value: pdsim pairs a request with one prefill", param=key
+        )
+    return v[0]
+
+
+def _pd_fields(
+    body: dict[str, Any],
+) -> tuple[str | None, int | None, int | None, list[int] | None, dict[str, Any] | None]:
+    host = _same_for_all(body.get("bootstrap_host"), "bootstrap_host")
     if host is not None and not isinstance(host, str):
         raise BadRequest("'bootstrap_host' must be a string", param="bootstrap_host", code="invalid_type")
-    port = _opt_int(body, "bootstrap_port")
-    if port is not None and not 0 < port <= 65535:
+    port = _same_for_all(body.get("bootstrap_port"), "bootstrap_port")
+    if port is not None and not _is_int(port):
+        raise BadRequest("'bootstrap_port' must be an integer", param="bootstrap_port", code="invalid_type")
+    if port is not None and not 0 < port <= 65535:  # type: ignore[operator]
         raise BadRequest("'bootstrap_port' must be a TCP port", param="bootstrap_port")
-    room = _opt_int(body, "bootstrap_room")
-    if room is not None and room < 0:
-        raise BadRequest("'bootstrap_room' must be >= 0", param="bootstrap_room")
+    raw_room = body.get("bootstrap_room")
+    room: int | None = None
+    rooms: list[int] | None = None
+    if isinstance(raw_room, list):
+        if not raw_room or not all(_is_int(r) for r in raw_room):
+            raise BadRequest(
+                "'bootstrap_room' must be an integer or a non-empty list of integers",
+                param="bootstrap_room",
+                code="invalid_type",
+            )
+        rooms = list(raw_room)
+        if len(set(rooms)) != len(rooms):
+            raise BadRequest("'bootstrap_room' list repeats a room", param="bootstrap_room")
+        if any(r < 0 for r in rooms):
+            raise BadRequest("'bootstrap_room' must be >= 0", param="bootstrap_room")
+        room = rooms[0]
+    else:
+        room = _opt_int(body, "bootstrap_room")
+        if room is not None and room < 0:
+            raise BadRequest("'bootstrap_room' must be >= 0", param="bootstrap_room")
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
         raise BadRequest(
             "'kv_transfer_params' must be an object", param="kv_transfer_params", code="invalid_type"
         )
-    return host, port, room, kv
+    return host, port, room, rooms, kv  # type: ignore[return-value]
+
+
+def _batch_size(api: Api, body: dict[str, Any]) -> int:
+    """How many prompts the body carries (SGLang's and OpenAI's list forms); 1 for a single prompt."""
+    if api == "generate":
+        text, ids = body.get("text"), body.get("input_ids")
+        if isinstance(text, list):
+            return len(text)
+        if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+            return len(ids)
+        return 1
+    if api == "completions":
+        p = body.get("prompt")
+        if isinstance(p, list) and p and all(isinstance(x, str | list) for x in p):
+            return len(p)
+    return 1
+
+
+def _check_rooms(
+    flavor: Flavor,
+    room: int | None,
+    rooms: list[int] | None,
+    n: int,
+    batch: int,
+    sample_rooms: bool = True,
+) -> tuple[int, ...]:
+    if flavor == "sglang" and not sample_rooms and n > 1 and (room is not None or rooms is not None):
+        # SGLang's tokenizer manager sends every sample of prompt i (and a max_new_tokens=0
+        # prefix-caching request before them) with the room of prompt i, whatever the list says.
+        raise BadRequest(
+            f"n={n} with bootstrap rooms: SGLang sends all {n} samples of a prompt, and a prefix-caching "
+            "request before them, through that prompt's one room, which hangs a PD deployment; "
+            "send n requests with n=1 instead",
+            param="bootstrap_room",
+            code="parallel_sampling_in_pd",
+        )
+    if rooms is not None:
+        if len(rooms) != n * batch:
+            raise BadRequest(
+                f"'bootstrap_room' has {len(rooms)} rooms but the request has {n * batch} samples "
+                f"(n={n} x {batch} prompt(s)); send one room per sample",
+                param="bootstrap_room",
+            )
+        return tuple(rooms)
+    if room is None:
+        return ()
+    if flavor == "sglang" and n * batch > 1:
+        what = f"n={n}" if batch == 1 else f"a batch of {batch} prompts" + (f" with n={n}" if n > 1 else "")
+        raise BadRequest(
+            f"'bootstrap_room' is one integer but the request has {what}: SGLang would send every "
+            "sample through the same bootstrap room, which hangs a PD deployment (prefill and decode "
+            "pair up the wrong transfers); send a list with one distinct room per sample",
+            param="bootstrap_room",
+            code="shared_bootstrap_room",
+        )
+    return (room,)
+
+
+def _min_tokens(
+    flavor: Flavor,
+    value: int | None,
+    max_tokens: int,
+    explicit_max: bool,
+    prompt_tokens: int,
+    limits: Limits,
+    param: str,
+) -> int:
+    if value is None or flavor == "both":
+        return 0  # the lenient flavour ignores min_tokens, as before
+    if flavor == "vllm":
+        # vLLM's SamplingParams check; with no max_tokens vLLM fills in the rest of the context.
+        limit = max_tokens if explicit_max else limits.context_length - prompt_tokens
+        if value < 0:
+            raise BadRequest(f"min_tokens must be greater than or equal to 0, got {value}.", param=param)
+        if value > limit:
+            raise BadRequest(
+                f"min_tokens must be less than or equal to max_tokens={limit}, got {value}.", param=param
+            )
+        return value
+    if not 0 <= value <= max_tokens:
+        # SGLang's SamplingParams.verify wording.
+        raise BadRequest(
+            f"min_new_tokens must be in [0, max_new_tokens({max_tokens})], got {value}.", param=param
+        )
+    return value
 
 
 def _check_context(prompt_tokens: int, max_tokens: int, limits: Limits, param: str) -> None:
@@ -135,20 +271,41 @@ def _check_context(prompt_tokens: int, max_tokens: int, limits: Limits, param: s
         )
 
 
-def parse_request(api: Api, body: object, limits: Limits, *, prompt_tokens_of: Any) -> GenRequest:
+def parse_request(
+    api: Api,
+    body: object,
+    limits: Limits,
+    *,
+    prompt_tokens_of: Any,
+    flavor: Flavor = "both",
+    sample_rooms: bool = True,
+) -> GenRequest:
     """Validate ``body`` for ``api``; raises :class:`BadRequest` with an OpenAI-style message."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_type")
-    host, port, room, kv = _pd_fields(body)
+    host, port, room, room_list, kv = _pd_fields(body)
+    batch = _batch_size(api, body)
+    if batch > 1 and (room is not None):
+        # Say why a shared room is wrong before saying that pdsim serves no batches.
+        sp = body.get("sampling_params") if api == "generate" else body
+        n_raw = sp.get("n") if isinstance(sp, dict) else None
+        n_guess = n_raw if isinstance(n_raw, int) and not isinstance(n_raw, bool) and n_raw > 0 else 1
+        _check_rooms(flavor, room, room_list, n_guess, batch)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", param="model", code="invalid_type")
     stream = _opt_bool(body, "stream") or False
     rid: str | None = None
     include_usage = False
-    prompt: str | list[int]
+    prompts: list[str | list[int]]
+    batch_ok = flavor == "sglang"  # SGLang serves lists of prompts; the other flavours refuse them
     if api == "generate":
         rid_v = body.get("rid")
+        if batch_ok and isinstance(rid_v, list) and rid_v and all(isinstance(r, str) for r in rid_v):
+            # SGLang's batch form: one rid per prompt (pdsim answers under the first).
+            if len(rid_v) != batch:
+                raise BadRequest(f"'rid' has {len(rid_v)} ids for {batch} prompt(s)", param="rid")
+            rid_v = rid_v[0]
         if rid_v is not None and not isinstance(rid_v, str):
             raise BadRequest("'rid' must be a string", param="rid", code="invalid_type")
         rid = rid_v
@@ -158,16 +315,27 @@ def parse_request(api: Api, body: object, limits: Limits, *, prompt_tokens_of: A
                 "exactly one of 'text' or 'input_ids' is required", param="text", code="missing_field"
             )
         if text is not None:
-            if not isinstance(text, str):
+            if isinstance(text, str):
+                prompts = [text]
+            elif batch_ok and isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+                prompts = list(text)
+            else:
                 raise BadRequest("'text' must be a string (batches are not supported)", param="text")
-            prompt = text
         else:
             parsed = _token_ids(ids, "input_ids")
-            if parsed is None:
+            if parsed is not None:
+                prompts = [parsed]
+            elif batch_ok and isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+                batch_ids = [_token_ids(x, "input_ids") for x in ids]
+                if any(b is None for b in batch_ids):
+                    raise BadRequest(
+                        "'input_ids' must be lists of integers", param="input_ids", code="invalid_type"
+                    )
+                prompts = [b for b in batch_ids if b is not None]
+            else:
                 raise BadRequest(
                     "'input_ids' must be a list of integers", param="input_ids", code="invalid_type"
                 )
-            prompt = parsed
         sp = body.get("sampling_params", {})
         if sp is None:
             sp = {}
@@ -177,13 +345,11 @@ def parse_request(api: Api, body: object, limits: Limits, *, prompt_tokens_of: A
             )
         _check_numbers(sp, ("temperature", "top_p", "top_k"), "sampling_params.")
         n = _n(_opt_int(sp, "n", "sampling_params.n"), limits, "sampling_params.n")
-        max_tokens = _max_tokens(
-            _opt_int(sp, "max_new_tokens", "sampling_params.max_new_tokens"),
-            limits,
-            "sampling_params.max_new_tokens",
-            0,
-        )
+        given_max = _opt_int(sp, "max_new_tokens", "sampling_params.max_new_tokens")
+        max_tokens = _max_tokens(given_max, limits, "sampling_params.max_new_tokens", 0)
         param = "sampling_params.max_new_tokens"
+        min_param = "sampling_params.min_new_tokens"
+        min_given = _opt_int(sp, "min_new_tokens", min_param) if flavor != "both" else None
     else:
         _check_numbers(body, ("temperature", "top_p", "presence_penalty", "frequency_penalty"))
         so = body.get("stream_options")
@@ -195,22 +361,31 @@ def parse_request(api: Api, body: object, limits: Limits, *, prompt_tokens_of: A
             include_usage = _opt_bool(so, "include_usage", "stream_options.include_usage") or False
         n = _n(_opt_int(body, "n"), limits, "n")
         if api == "completions":
-            prompt = _completion_prompt(body.get("prompt"))
+            prompts = _completion_prompts(body.get("prompt"), batch_ok)
             param = "max_tokens"
             mt = _opt_int(body, "max_tokens")
         else:
-            prompt = _chat_prompt(body.get("messages"))
+            prompts = [_chat_prompt(body.get("messages"))]
             mct = _opt_int(body, "max_completion_tokens")
             param = "max_completion_tokens" if mct is not None else "max_tokens"
             mt = mct if mct is not None else _opt_int(body, "max_tokens")
+        given_max = mt
         max_tokens = _max_tokens(mt, limits, param, 1)
-    prompt_tokens = prompt_tokens_of(prompt)
-    if prompt_tokens == 0:
+        min_param = "min_tokens"
+        min_given = _opt_int(body, "min_tokens") if flavor != "both" else None
+    each = [prompt_tokens_of(p) for p in prompts]
+    if min(each) == 0:
         raise BadRequest("the prompt must not be empty", param="prompt" if api != "generate" else "text")
+    prompt_tokens = max(each)
     _check_context(prompt_tokens, max_tokens, limits, param)
+    min_tokens = _min_tokens(
+        flavor, min_given, max_tokens, given_max is not None, prompt_tokens, limits, min_param
+    )
+    rooms = _check_rooms(flavor, room, room_list, n, len(prompts), sample_rooms)
     return GenRequest(
         api=api,
-        prompt=prompt,
+        prompt=prompts[0],
+        prompts=tuple(prompts) if len(prompts) > 1 else (),
         n=n,
         max_tokens=max_tokens,
         stream=stream,
@@ -221,7 +396,26 @@ def parse_request(api: Api, body: object, limits: Limits, *, prompt_tokens_of: A
         bootstrap_port=port,
         bootstrap_room=room,
         kv_transfer_params=kv,
+        bootstrap_rooms=rooms,
+        min_tokens=min_tokens,
     )
+
+
+def _completion_prompts(v: object, batch_ok: bool) -> list[str | list[int]]:
+    if batch_ok and isinstance(v, list) and len(v) > 1:
+        if all(isinstance(x, str) for x in v):
+            return list(v)
+        if all(isinstance(x, list) for x in v):
+            out: list[str | list[int]] = []
+            for x in v:
+                ids = _token_ids(x, "prompt")
+                if not ids:
+                    raise BadRequest(
+                        "'prompt' lists must hold token ids", param="prompt", code="invalid_type"
+                    )
+                out.append(ids)
+            return out
+    return [_completion_prompt(v)]
 
 
 def _completion_prompt(v: object) -> str | list[int]:
@@ -311,12 +505,14 @@ class Formatter:
     rid: str
     created: int
     model: str
-    prompt_tokens: int
+    prompt_tokens: int  # over all prompts of a batch
     cached_tokens: int
+    # (prompt tokens, cached tokens) of each prompt of a batch, for SGLang's per-output meta_info.
+    per_prompt: tuple[tuple[int, int], ...] = ()
     _text: str = ""
 
     def _usage(self, completion_tokens: int) -> dict[str, Any]:
-        total_completion = completion_tokens * self.req.n
+        total_completion = completion_tokens * self.req.choices
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": total_completion,
@@ -324,12 +520,17 @@ class Formatter:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
-    def _meta(self, k: int, finished: bool) -> dict[str, Any]:
+    def _meta(self, k: int, finished: bool, choice: int) -> dict[str, Any]:
+        pt, ct = (
+            self.per_prompt[choice // self.req.n]
+            if self.per_prompt
+            else (self.prompt_tokens, self.cached_tokens)
+        )
         return {
             "id": self.rid,
-            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens": pt,
             "completion_tokens": k,
-            "cached_tokens": self.cached_tokens,
+            "cached_tokens": ct,
             "finish_reason": {"type": "length", "length": k} if finished else None,
         }
 
@@ -348,7 +549,7 @@ class Formatter:
 
     def start_chunks(self) -> Iterator[dict[str, Any]]:
         if self.req.api == "chat":
-            for i in range(self.req.n):
+            for i in range(self.req.choices):
                 delta = {"role": "assistant", "content": ""}
                 yield self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
 
@@ -357,10 +558,10 @@ class Formatter:
         finished = k == total
         tok = token_text(k) if k else ""
         self._text += tok
-        for i in range(self.req.n):
+        for i in range(self.req.choices):
             if self.req.api == "generate":
-                chunk: dict[str, Any] = {"text": self._text, "meta_info": self._meta(k, finished)}
-                if self.req.n > 1:
+                chunk: dict[str, Any] = {"text": self._text, "meta_info": self._meta(k, finished, i)}
+                if self.req.choices > 1:
                     chunk["index"] = i
                 yield chunk
             elif self.req.api == "completions":
@@ -373,7 +574,7 @@ class Formatter:
 
     def end_chunks(self, total: int) -> Iterator[dict[str, Any]]:
         if self.req.api == "chat":
-            for i in range(self.req.n):
+            for i in range(self.req.choices):
                 yield self._chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": "length"}])
         if self.req.api != "generate" and self.req.include_usage:
             yield {**self._chunk([]), "usage": self._usage(total)}
@@ -384,19 +585,19 @@ class Formatter:
             items = [
                 {
                     "text": text,
-                    "meta_info": self._meta(total, True),
-                    **({"index": i} if self.req.n > 1 else {}),
+                    "meta_info": self._meta(total, True, i),
+                    **({"index": i} if self.req.choices > 1 else {}),
                 }
-                for i in range(self.req.n)
+                for i in range(self.req.choices)
             ]
-            out: Any = items[0] if self.req.n == 1 else items
+            out: Any = items[0] if self.req.choices == 1 else items
             if extra and isinstance(out, dict):
                 out = {**out, **extra}
             return out
         if self.req.api == "completions":
             choices: list[dict[str, Any]] = [
                 {"index": i, "text": text, "logprobs": None, "finish_reason": "length"}
-                for i in range(self.req.n)
+                for i in range(self.req.choices)
             ]
             obj = "text_completion"
         else:
@@ -407,7 +608,7 @@ class Formatter:
                     "logprobs": None,
                     "finish_reason": "length",
                 }
-                for i in range(self.req.n)
+                for i in range(self.req.choices)
             ]
             obj = "chat.completion"
         resp: dict[str, Any] = {

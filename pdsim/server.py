@@ -8,8 +8,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from aiohttp import ClientSession, ClientTimeout, web
@@ -18,11 +19,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pdsim.cache import PrefixCache, count_tokens
+from pdsim.faults import ErrorDraw, FaultError, Faults, updated
 from pdsim.kvstore import KVStore
 from pdsim.protocol import (
     SSE_DONE,
     Api,
     BadRequest,
+    Flavor,
     Formatter,
     GenRequest,
     Limits,
@@ -30,6 +33,7 @@ from pdsim.protocol import (
     parse_request,
     sse,
 )
+from pdsim.reqlog import RequestLog
 from pdsim.slots import SlotPool
 
 log = logging.getLogger("pdsim")
@@ -64,6 +68,16 @@ class Config:
     kv_ttl_s: float
     max_body_bytes: int
     timing: Timing
+    flavor: Flavor = "both"
+    metrics: bool = True
+    # How long /health waits for a one-token generation before 503 (SGLang's
+    # SGLANG_HEALTH_CHECK_TIMEOUT, 20 s by default).
+    health_timeout_s: float = 20.0
+    request_log_size: int = 1000
+    # --api sglang: serve n > 1 with one room per sample (True), or refuse PD requests with n > 1
+    # as real SGLang mishandles them (False).
+    sglang_sample_rooms: bool = True
+    faults: Faults = field(default_factory=Faults)
 
 
 class KVTransferError(Exception):
@@ -103,6 +117,7 @@ class _Collector(Collector):
         yield gauge("pdsim_capacity", "running_max_req_size.", pool.capacity, False)
         yield gauge("pdsim_kv_waiting", "Decode requests waiting for their KV transfer.", e.kv_waiting, False)
         yield gauge("pdsim_kv_rooms", "KV transfer rooms held by the bootstrap listener.", len(e.kv), False)
+        yield gauge("pdsim_hung_requests", "Requests held open by a hang fault.", e.hung, False)
         c = CounterMetricFamily(
             "pdsim_queued", "Requests that ever had to wait for a slot inside the engine."
         )
@@ -123,6 +138,18 @@ class Engine:
         self.bootstrap_port = 0  # set once the bootstrap listener is bound
         self._prefill_sem = asyncio.Semaphore(cfg.prefill_parallel)
         self._client: ClientSession | None = None
+        self.faults = cfg.faults
+        self.error_draw = ErrorDraw(cfg.faults.seed)
+        self.reqlog = RequestLog(cfg.request_log_size)
+        self.hung = 0  # requests parked by a hang fault
+        self.prompt_tokens_seen = 0  # for /v1/loads' cache_hit_rate
+        self.cached_tokens_seen = 0
+        self.inflight_ids: set[str] = set()  # vLLM flavour: request ids being served
+        self.shutting_down = False
+        self.admin_port = 0  # set when a separate admin listener is bound
+        # Opens (True) or closes (False) the main listener; set by the process that owns it.
+        self.listener_control: Callable[[bool], Awaitable[None]] | None = None
+        self.listening = True
         disable_created_metrics()  # keep the scrape small: no *_created series
         self.registry = CollectorRegistry()
         r = self.registry
@@ -172,33 +199,103 @@ class Engine:
             error_body(message, err_type=err_type, code=code, param=param), status=status
         )
 
-    async def _read_body(self, request: web.Request) -> object:
+    async def _read_raw(self, request: web.Request) -> bytes:
         if request.content_length is not None and request.content_length > self.cfg.max_body_bytes:
             raise _HttpError(413, f"request body over {self.cfg.max_body_bytes} bytes", "body_too_large")
         try:
-            raw = await request.read()
+            return await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             raise _HttpError(
                 413, f"request body over {self.cfg.max_body_bytes} bytes", "body_too_large"
             ) from exc
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise _HttpError(400, f"invalid JSON body: {exc}", "invalid_json") from exc
 
-    def _token_delay_s(self) -> float:
+    def _token_delay_s(self, slow: float) -> float:
         t = self.cfg.timing
-        return (t.decode_base_ms + t.decode_per_seq_ms * self.pool.running) / 1000.0
+        return slow * (t.decode_base_ms + t.decode_per_seq_ms * self.pool.running) / 1000.0
+
+    async def _stall(self) -> None:
+        """Hold the request open forever: only its client going away (cancellation) ends it."""
+        self.hung += 1
+        try:
+            await asyncio.get_running_loop().create_future()
+        finally:
+            self.hung -= 1
+
+    # ---- faults ----------------------------------------------------------------------------
+
+    async def set_faults(self, body: object, *, replace: bool) -> Faults:
+        """Validate and apply a fault update (raises :class:`FaultError`); returns the new settings."""
+        new = updated(self.faults, body, replace=replace)
+        if new.refuse and not self.listening_controllable():
+            raise FaultError(
+                "'refuse' needs a separate admin listener (--admin-port): with the main port closed "
+                "this endpoint would be unreachable"
+            )
+        keys = set(body) if isinstance(body, dict) else set()
+        if replace or keys & {"seed", "error_rate"}:
+            # A fresh draw each time the rate or seed is set: the same settings fail the same requests.
+            self.error_draw.reset(new.seed)
+        self.faults = new
+        await self.apply_listener()
+        return new
+
+    def listening_controllable(self) -> bool:
+        return self.listener_control is not None and self.admin_port != 0
+
+    async def apply_listener(self) -> None:
+        want = not self.faults.refuse
+        if self.listener_control is not None and want != self.listening:
+            await self.listener_control(want)
+            self.listening = want
+            log.warning("main listener %s", "reopened" if want else "closed (refuse fault)")
+
+    def faults_state(self) -> dict[str, Any]:
+        return {
+            "faults": self.faults.to_json(),
+            "state": {
+                "listening": self.listening,
+                "hung_requests": self.hung,
+                "admin_port": self.admin_port or None,
+            },
+        }
 
     # ---- generation endpoints --------------------------------------------------------------
 
     async def handle(self, request: web.Request, api: Api) -> web.StreamResponse:
+        raw: bytes | None = None
+        body: object = None
+        read_error: _HttpError | None = None
         try:
-            body = await self._read_body(request)
-            req = parse_request(api, body, self.limits, prompt_tokens_of=count_tokens)
-            if self.cfg.role == "decode" and req.n > self.cfg.running_max_req_size:
+            raw = await self._read_raw(request)
+            body = json.loads(raw)
+        except _HttpError as exc:
+            read_error = exc
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            read_error = _HttpError(400, f"invalid JSON body: {exc}", "invalid_json")
+        entry = self.reqlog.record(request.path, request.headers, body, raw)
+        request["pdsim_log"] = entry
+        resp = await self._serve(request, api, body, read_error)
+        entry["status"] = resp.status
+        return resp
+
+    async def _serve(
+        self, request: web.Request, api: Api, body: object, read_error: _HttpError | None
+    ) -> web.StreamResponse:
+        try:
+            if read_error is not None:
+                raise read_error
+            req = parse_request(
+                api,
+                body,
+                self.limits,
+                prompt_tokens_of=count_tokens,
+                flavor=self.cfg.flavor,
+                sample_rooms=self.cfg.sglang_sample_rooms,
+            )
+            if self.cfg.role == "decode" and req.choices > self.cfg.running_max_req_size:
+                what = f"n={req.n}" if req.choices == req.n else f"{req.choices} sequences (prompts x n)"
                 raise BadRequest(
-                    f"n={req.n} exceeds this server's running_max_req_size {self.cfg.running_max_req_size}",
+                    f"{what} exceeds this server's running_max_req_size {self.cfg.running_max_req_size}",
                     param="n",
                 )
             if (
@@ -214,11 +311,25 @@ class Engine:
         except BadRequest as exc:
             return self.error(400, exc.message, code=exc.code, param=exc.param)
         self.requests_total.inc()
-        rid = req.rid or request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        header_id = request.headers.get("X-Request-Id")
+        rid = req.rid or header_id or uuid.uuid4().hex
+        faults = self.faults  # read once: a later change affects new requests only
+        busy_key: str | None = None
+        if self.cfg.flavor == "vllm" and header_id:
+            # vLLM names its internal request after X-Request-Id and refuses a second one in flight.
+            busy_key = {"generate": "", "completions": "cmpl-", "chat": "chatcmpl-"}[api] + header_id
+            if busy_key in self.inflight_ids:
+                return await self._duplicate_id(request, req, busy_key)
+            self.inflight_ids.add(busy_key)
         try:
+            if self.error_draw.fails(faults.error_rate):
+                message = "injected fault: the engine failed this request"
+                return self.error(faults.error_status, message, code="injected_fault")
+            if faults.hang:
+                await self._stall()
             if self.cfg.role == "prefill":
-                return await self._prefill(request, req, rid)
-            return await self._decode(request, req, rid)
+                return await self._prefill(request, req, rid, faults)
+            return await self._decode(request, req, rid, faults)
         except asyncio.CancelledError:
             self.cancelled_total.inc()
             raise
@@ -226,39 +337,66 @@ class Engine:
             # Client went away between two writes (before the handler got cancelled).
             self.cancelled_total.inc()
             raise
+        finally:
+            if busy_key is not None:
+                self.inflight_ids.discard(busy_key)
 
-    async def _prefill(self, request: web.Request, req: GenRequest, rid: str) -> web.StreamResponse:
+    async def _duplicate_id(self, request: web.Request, req: GenRequest, key: str) -> web.StreamResponse:
+        message = f"Request id {key} already running."
+        if not req.stream:
+            return self.error(400, message, code=None)
+        # vLLM raises this while iterating the stream, after the 200 headers went out: the client
+        # gets the error as an SSE event.
+        self.bad_requests_total.inc()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        err = error_body(message, err_type="BadRequestError", code=None, param=None)
+        err["error"]["code"] = 400
+        await resp.write(sse(err))
+        await resp.write(SSE_DONE)
+        await resp.write_eof()
+        return resp
+
+    async def _prefill(
+        self, request: web.Request, req: GenRequest, rid: str, faults: Faults
+    ) -> web.StreamResponse:
         kv_params = req.kv_transfer_params or {}
-        key: str | None = None
-        if req.bootstrap_room is not None:
-            key = str(req.bootstrap_room)
+        keys: list[str] = []
+        if req.bootstrap_rooms:
+            keys = [str(r) for r in req.bootstrap_rooms]
         elif kv_params.get("do_remote_decode"):
             if not self.bootstrap_port:
                 return self.error(400, "this prefill server has no KV bootstrap listener", code="kv_disabled")
-            key = f"vllm-{uuid.uuid4().hex}"
-        if key is not None:
+            keys = [f"vllm-{uuid.uuid4().hex}"]
+        for key in keys:
             self.kv.begin(key)
         try:
             await self.pool.acquire(1)
             try:
                 async with self._prefill_sem:
-                    lookup = self.cache.lookup_and_insert(req.prompt)
-                    self.prompt_tokens_total.inc(lookup.prompt_tokens)
-                    self.cached_tokens_total.inc(lookup.cached_tokens)
+                    # A batch's prompts are prefilled in one pass.
+                    lookups = [self.cache.lookup_and_insert(p) for p in req.all_prompts]
+                    prompt_tokens = sum(lk.prompt_tokens for lk in lookups)
+                    cached_tokens = sum(lk.cached_tokens for lk in lookups)
+                    self.prompt_tokens_total.inc(prompt_tokens)
+                    self.cached_tokens_total.inc(cached_tokens)
+                    self.prompt_tokens_seen += prompt_tokens
+                    self.cached_tokens_seen += cached_tokens
                     t = self.cfg.timing
-                    delay_ms = t.prefill_base_ms + t.prefill_per_token_ms * lookup.uncached_tokens
-                    await asyncio.sleep(delay_ms / 1000.0)
+                    uncached = sum(lk.uncached_tokens for lk in lookups)
+                    delay_ms = t.prefill_base_ms + t.prefill_per_token_ms * uncached
+                    await asyncio.sleep(faults.slow * delay_ms / 1000.0)
             finally:
                 self.pool.release(1)
-            if key is not None:
-                self.kv.finish(key, lookup.prompt_tokens)
+            for key in keys:
+                self.kv.finish(key, prompt_tokens)
         except BaseException:
-            if key is not None:
+            for key in keys:
                 self.kv.abort(key)
             raise
         extra: dict[str, Any] | None = None
-        if key is not None and req.bootstrap_room is None:
-            n_blocks = -(-lookup.prompt_tokens // self.cfg.cache_block_tokens)
+        if keys and not req.bootstrap_rooms:
+            n_blocks = -(-prompt_tokens // self.cfg.cache_block_tokens)
             extra = {
                 "kv_transfer_params": {
                     "do_remote_prefill": True,
@@ -267,15 +405,16 @@ class Engine:
                     "remote_block_ids": list(range(n_blocks)),
                     "remote_host": self.cfg.advertise_host,
                     "remote_port": self.bootstrap_port,
-                    "remote_request_id": key,
+                    "remote_request_id": keys[0],
                     "tp_size": 1,
                 }
             }
         # The prefill's own answer is one token, unpaced: the PD router discards it.
         total = min(1, req.max_tokens)
         self.tokens_total.inc(total)
+        per_prompt = tuple((lk.prompt_tokens, lk.cached_tokens) for lk in lookups)
         return await self._respond(
-            request, req, rid, lookup.prompt_tokens, lookup.cached_tokens, total, extra
+            request, req, rid, prompt_tokens, cached_tokens, total, extra, faults, per_prompt=per_prompt
         )
 
     async def _pull_kv(self, host: str, port: int, key: str, timeout_s: float) -> None:
@@ -300,45 +439,60 @@ class Engine:
             self.kv_waiting -= 1
         self.kv_transfers_total.inc()
 
-    async def _decode(self, request: web.Request, req: GenRequest, rid: str) -> web.StreamResponse:
+    async def _decode(
+        self, request: web.Request, req: GenRequest, rid: str, faults: Faults
+    ) -> web.StreamResponse:
         kv_params = req.kv_transfer_params or {}
         try:
-            if req.bootstrap_room is not None:
+            if req.bootstrap_rooms:
                 assert req.bootstrap_host is not None and req.bootstrap_port is not None
-                await self._pull_kv(
-                    req.bootstrap_host,
-                    req.bootstrap_port,
-                    str(req.bootstrap_room),
-                    self.cfg.kv_wait_timeout_s,
-                )
+                host, bport = req.bootstrap_host, req.bootstrap_port
+                # One transfer per room; with a room per sample each sample's KV arrives separately.
+                pulls = [
+                    asyncio.ensure_future(self._pull_kv(host, bport, str(room), self.cfg.kv_wait_timeout_s))
+                    for room in req.bootstrap_rooms
+                ]
+                try:
+                    await asyncio.gather(*pulls)
+                finally:
+                    for pull in pulls:  # one failed (or the client left): stop waiting for the rest
+                        pull.cancel()
             elif kv_params.get("do_remote_prefill"):
-                host, port, key = (
+                host_v, port_v, key = (
                     kv_params.get("remote_host"),
                     kv_params.get("remote_port"),
                     kv_params.get("remote_request_id"),
                 )
                 if not (
-                    isinstance(host, str) and isinstance(port, int) and isinstance(key, str) and port > 0
+                    isinstance(host_v, str)
+                    and isinstance(port_v, int)
+                    and isinstance(key, str)
+                    and port_v > 0
                 ):
                     raise BadRequest(
                         "kv_transfer_params needs remote_host, remote_port and remote_request_id",
                         param="kv_transfer_params",
                     )
                 # The prefill finished before the router got its response: the room is done or gone.
-                await self._pull_kv(host, port, key, min(0.2, self.cfg.kv_wait_timeout_s))
+                await self._pull_kv(host_v, port_v, key, min(0.2, self.cfg.kv_wait_timeout_s))
         except BadRequest as exc:
             return self.error(400, exc.message, code=exc.code, param=exc.param)
         except KVTransferError as exc:
             log.warning("%s: %s", rid, exc)
             return self.error(502, str(exc), code="kv_transfer_failed")
-        prompt_tokens = count_tokens(req.prompt)
+        each = [count_tokens(p) for p in req.all_prompts]
+        per_prompt = tuple((pt, 0) for pt in each)
+        prompt_tokens = sum(each)
         total = req.max_tokens
         if total == 0:
-            return await self._respond(request, req, rid, prompt_tokens, 0, 0, None)
-        n = req.n
+            return await self._respond(
+                request, req, rid, prompt_tokens, 0, 0, None, faults, per_prompt=per_prompt
+            )
+        n = req.choices  # every sample of every prompt is a sequence in the batch
         await self.pool.acquire(n)
         generated = 0
-        self.kv_tokens += n * prompt_tokens
+        held = req.n * prompt_tokens  # each prompt's KV, once per sample
+        self.kv_tokens += held
 
         def on_token() -> None:
             nonlocal generated
@@ -347,10 +501,21 @@ class Engine:
             self.tokens_total.inc(n)
 
         try:
-            return await self._respond(request, req, rid, prompt_tokens, 0, total, None, on_token=on_token)
+            return await self._respond(
+                request,
+                req,
+                rid,
+                prompt_tokens,
+                0,
+                total,
+                None,
+                faults,
+                per_prompt=per_prompt,
+                on_token=on_token,
+            )
         finally:
             # Runs on completion, error and cancellation alike: the slot never leaks.
-            self.kv_tokens -= n * (prompt_tokens + generated)
+            self.kv_tokens -= held + n * generated
             self.pool.release(n)
 
     async def _respond(
@@ -362,7 +527,9 @@ class Engine:
         cached_tokens: int,
         total: int,
         extra: dict[str, Any] | None,
+        faults: Faults,
         *,
+        per_prompt: tuple[tuple[int, int], ...] = (),
         on_token: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
         """Write the response; with ``on_token`` the tokens are paced by the decode timing model."""
@@ -374,7 +541,9 @@ class Engine:
             model=req.model or self.cfg.model,
             prompt_tokens=prompt_tokens,
             cached_tokens=cached_tokens,
+            per_prompt=per_prompt if len(per_prompt) > 1 else (),
         )
+        stall_after = faults.hang_after_chunks
         resp: web.StreamResponse | None = None
         if req.stream:
             resp = web.StreamResponse(
@@ -385,12 +554,18 @@ class Engine:
                 }
             )
             await resp.prepare(request)
+            entry = request.get("pdsim_log")
+            if entry is not None:
+                entry["status"] = resp.status
             await _write(resp, fmt.start_chunks())
         if total == 0 and resp is not None:
             await _write(resp, fmt.token_chunks(0, 0))
         for k in range(1, total + 1):
+            if stall_after is not None and k > stall_after:
+                # Mid-stream hang: the first stall_after tokens went out, the rest never will.
+                await self._stall()
             if on_token is not None:
-                await asyncio.sleep(self._token_delay_s())
+                await asyncio.sleep(self._token_delay_s(faults.slow))
                 on_token()
             if resp is not None:
                 await _write(resp, fmt.token_chunks(k, total))
@@ -420,6 +595,75 @@ class Engine:
             "internal_states": [{"max_running_requests": cfg.running_max_req_size}],
         }
 
+    def _waiting(self) -> int:
+        # SGLang counts a decode's requests still waiting for their KV (prealloc/transfer queues)
+        # as waiting; pdsim's equivalent is a request polling its room.
+        return self.pool.waiting_slots + self.kv_waiting
+
+    def get_load(self) -> list[dict[str, Any]]:
+        """SGLang 0.5.x ``GET /get_load``: one GetLoadReqOutput per DP rank."""
+        waiting = self._waiting()
+        return [
+            {
+                "dp_rank": 0,
+                "num_reqs": self.pool.running + waiting,
+                "num_waiting_reqs": waiting,
+                "num_tokens": self.kv_tokens,
+            }
+        ]
+
+    def get_loads(self, include: set[str]) -> dict[str, Any]:
+        """SGLang's ``GET /v1/loads`` (v1_loads.py): per-rank loads plus an aggregate."""
+        cfg, pool = self.cfg, self.pool
+        waiting = self._waiting()
+        usage = min(1.0, self.kv_tokens / cfg.max_total_tokens)
+        prompt, cached = self.prompt_tokens_seen, self.cached_tokens_seen
+        load: dict[str, Any] = {
+            "dp_rank": 0,
+            "timestamp": time.time(),
+            "num_running_reqs": pool.running,
+            "num_waiting_reqs": waiting,
+            "num_used_tokens": self.kv_tokens,
+            "num_total_tokens": self.kv_tokens,
+            "max_total_num_tokens": cfg.max_total_tokens,
+            "token_usage": round(usage, 4),
+            "gen_throughput": 0.0,
+            "cache_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+            # SGLang reports -1 on a prefill server.
+            "utilization": -1.0 if cfg.role == "prefill" else round(pool.running / pool.capacity, 4),
+            "max_running_requests": cfg.running_max_req_size,
+        }
+        if include & {"all", "disagg"}:
+            load["disaggregation"] = {
+                "mode": cfg.role,
+                "prefill_prealloc_queue_reqs": 0,
+                "prefill_inflight_queue_reqs": len(self.kv) if cfg.role == "prefill" else 0,
+                "decode_prealloc_queue_reqs": 0,
+                "decode_transfer_queue_reqs": self.kv_waiting if cfg.role == "decode" else 0,
+                "decode_retracted_queue_reqs": 0,
+                "kv_transfer_speed_gb_s": 0.0,
+                "kv_transfer_latency_ms": 0.0,
+            }
+        if include & {"all", "queues"}:
+            load["queues"] = {"waiting": pool.waiting_slots, "grammar": 0, "paused": 0, "retracted": 0}
+        load["num_total_reqs"] = load["num_running_reqs"] + load["num_waiting_reqs"]
+        return {
+            "timestamp": datetime.now(UTC).isoformat(),
+            "version": VERSION,
+            "dp_rank_count": 1,
+            "loads": [load],
+            "aggregate": {
+                "total_running_reqs": load["num_running_reqs"],
+                "total_waiting_reqs": load["num_waiting_reqs"],
+                "total_reqs": load["num_total_reqs"],
+                "total_used_tokens": load["num_used_tokens"],
+                "total_tokens": load["num_total_tokens"],
+                "avg_token_usage": load["token_usage"],
+                "avg_throughput": load["gen_throughput"],
+                "avg_utilization": load["utilization"],
+            },
+        }
+
 
 class _HttpError(Exception):
     def __init__(self, status: int, message: str, code: str) -> None:
@@ -433,11 +677,90 @@ async def _write(resp: web.StreamResponse, chunks: Iterator[dict[str, Any]]) -> 
         await resp.write(data)
 
 
+LOADS_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
+
+
+def _admin_error(message: str) -> web.Response:
+    body = error_body(message, err_type="invalid_request_error", code="invalid_fault", param=None)
+    return web.json_response(body, status=400)
+
+
+def add_admin_routes(app: web.Application, engine: Engine) -> None:
+    """``/admin/faults`` (GET; POST merges, PUT replaces, DELETE clears) and ``/admin/requests``."""
+
+    async def get_faults(_: web.Request) -> web.Response:
+        return web.json_response(engine.faults_state())
+
+    async def change_faults(request: web.Request) -> web.Response:
+        if request.method == "DELETE":
+            body: object = {}
+        else:
+            try:
+                body = await request.json()
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                return _admin_error(f"invalid JSON body: {exc}")
+        try:
+            await engine.set_faults(body, replace=request.method != "POST")
+        except FaultError as exc:
+            return _admin_error(str(exc))
+        except OSError as exc:  # the port was taken while the listener was closed
+            return web.json_response(
+                error_body(
+                    f"could not reopen the main listener: {exc}",
+                    err_type="server_error",
+                    code="listener_failed",
+                    param=None,
+                ),
+                status=500,
+            )
+        return web.json_response(engine.faults_state())
+
+    async def get_requests(request: web.Request) -> web.Response:
+        try:
+            since = int(request.query.get("since", "0"))
+        except ValueError:
+            return _admin_error("'since' must be an integer")
+        return web.json_response(engine.reqlog.snapshot(since, request.query.get("path")))
+
+    async def clear_requests(_: web.Request) -> web.Response:
+        engine.reqlog.clear()
+        return web.json_response({"cleared": True})
+
+    app.router.add_get("/admin/faults", get_faults)
+    for method in ("POST", "PUT", "DELETE"):
+        app.router.add_route(method, "/admin/faults", change_faults)
+    app.router.add_get("/admin/requests", get_requests)
+    app.router.add_delete("/admin/requests", clear_requests)
+
+
+def build_admin_app(engine: Engine) -> web.Application:
+    """The optional admin listener: reachable while the main port refuses connections."""
+    app = web.Application()
+    add_admin_routes(app, engine)
+    return app
+
+
 def build_app(engine: Engine) -> web.Application:
     app = web.Application(client_max_size=engine.cfg.max_body_bytes)
+    flavor = engine.cfg.flavor
 
     async def health(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        if engine.shutting_down or engine.faults.health_fail:
+            return web.Response(status=503)
+        if flavor != "vllm":
+            # SGLang's /health runs a one-token generation and answers 200 once the scheduler
+            # produces any output, 503 after SGLANG_HEALTH_CHECK_TIMEOUT; vLLM's only checks that
+            # the engine process is alive, so a hung vLLM engine still looks healthy.
+            deadline = time.monotonic() + engine.cfg.health_timeout_s
+            while engine.faults.generation_stalls():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    log.warning("health check failed: no output within %.3g s", engine.cfg.health_timeout_s)
+                    return web.Response(status=503)
+                await asyncio.sleep(min(0.05, remaining))
+        if flavor == "both":
+            return web.json_response({"status": "ok"})
+        return web.Response(status=200)
 
     async def server_info(_: web.Request) -> web.Response:
         return web.json_response(engine.server_info())
@@ -465,6 +788,34 @@ def build_app(engine: Engine) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(engine.registry), content_type="text/plain", charset="utf-8")
 
+    async def get_load(_: web.Request) -> web.Response:
+        return web.json_response(engine.get_load())
+
+    async def get_loads(request: web.Request) -> web.Response:
+        include_q = request.query.get("include")
+        include = {s.strip() for s in include_q.split(",")} if include_q else {"core"}
+        bad = include - LOADS_SECTIONS
+        if bad:
+            return web.json_response(
+                {
+                    "object": "error",
+                    "message": f"Invalid include sections: {sorted(bad)}. "
+                    f"Valid options: {sorted(LOADS_SECTIONS)}",
+                    "type": "Bad Request",
+                    "code": 400,
+                },
+                status=400,
+            )
+        out = engine.get_loads(include)
+        rank = request.query.get("dp_rank")
+        if rank is not None and rank != "0":
+            out["loads"], out["dp_rank_count"] = [], 0
+        return web.json_response(out)
+
+    async def vllm_load(_: web.Request) -> web.Response:
+        # Stock vLLM counts only with --enable-server-load-tracking (off by default): always 0.
+        return web.json_response({"server_load": 0})
+
     async def generate(request: web.Request) -> web.StreamResponse:
         return await engine.handle(request, "generate")
 
@@ -475,15 +826,22 @@ def build_app(engine: Engine) -> web.Application:
         return await engine.handle(request, "chat")
 
     app.router.add_get("/health", health)
-    app.router.add_get("/health_generate", health)
-    app.router.add_get("/get_server_info", server_info)
-    app.router.add_get("/server_info", server_info)
-    app.router.add_get("/get_model_info", model_info)
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_post("/generate", generate)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
+    if engine.cfg.metrics:
+        app.router.add_get("/metrics", metrics)
+    if flavor != "vllm":
+        app.router.add_get("/health_generate", health)
+        app.router.add_get("/get_server_info", server_info)
+        app.router.add_get("/server_info", server_info)
+        app.router.add_get("/get_model_info", model_info)
+        app.router.add_get("/get_load", get_load)
+        app.router.add_get("/v1/loads", get_loads)
+        app.router.add_post("/generate", generate)
+    if flavor != "sglang":
+        app.router.add_get("/load", vllm_load)
+    add_admin_routes(app, engine)
     return app
 
 
