@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.test_pdsim_faults import DEADLINE_S, Launch, Sim, eventually, set_faults, sims
+from tests.cluster.test_pdsim_faults import DEADLINE_S, Launch, Sim, eventually, set_faults, sims
 
 __all__ = ["sims"]  # the fixture, shared with the fault tests
 
