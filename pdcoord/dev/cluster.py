@@ -264,10 +264,17 @@ class LocalCluster:
         return engine
 
     def start_node(
-        self, name: str, role: str, capacity: int, *, fast: bool = True, **agent_extra: Any
+        self,
+        name: str,
+        role: str,
+        capacity: int,
+        *,
+        fast: bool = True,
+        engine_args: dict[str, Any] | None = None,
+        **agent_extra: Any,
     ) -> Engine:
-        """An engine and its agent, the way a GPU pod runs them."""
-        engine = self.start_engine(name, role, capacity, fast=fast)
+        """An engine and its agent, the way a GPU pod runs them (``engine_args``: extra pdsim flags)."""
+        engine = self.start_engine(name, role, capacity, fast=fast, **(engine_args or {}))
         agent_extra.setdefault("bootstrap_port", engine.bootstrap_port)
         self.start_agent(name, role, endpoint=engine.url, capacity=capacity, **agent_extra)
         return engine

@@ -6,13 +6,14 @@ Real processes on loopback: etcd, a master, agents and simulated engines.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import json
 import socket
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import aiohttp
@@ -83,10 +84,13 @@ def fleet(request: pytest.FixtureRequest, etcd, tmp_path_factory) -> Iterator[Fl
         c.start_master("m1", engine_protocol=protocol, max_n=8, max_tokens=4096, max_body_bytes=65536,
                        model="sim")  # fmt: skip
         c.start_master("rr", engine_protocol=protocol, prefill_selection="round-robin", model="sim")
+        # The engines check requests as strictly as the real ones (pdsim --api): SGLang refuses a
+        # PD request with n > 1 (it would send every sample with one room), vLLM min_tokens > max_tokens.
+        strict = {"api": "vllm"} if protocol == "vllm" else {"api": "sglang", "sglang_sample_rooms": "reject"}
         for name, cap in PREFILL.items():
-            c.start_node(name, "prefill", cap, model="sim")
+            c.start_node(name, "prefill", cap, model="sim", engine_args=strict)
         for name, cap in DECODE.items():
-            c.start_node(name, "decode", cap, model="sim")
+            c.start_node(name, "decode", cap, model="sim", engine_args=strict)
         caps = {**PREFILL, **DECODE}
         c.wait_for(lambda: c.full_capacity_held(["m1", "rr"], caps), timeout=30)
         c.wait_for(lambda: http_json(c.masters["m1"].url + "/readiness").get("ready"), timeout=10)
@@ -135,6 +139,60 @@ def test_batches_and_n_are_served_as_one_gang(fleet: Fleet) -> None:
         fleet.url + "/v1/completions", {"model": "sim", "prompt": ["a", "b"], "max_tokens": 2, "stream": True}
     )
     assert r.status_code == 200 and r.text.count("data: [DONE]") == 1
+
+
+def engine_log(fleet: Fleet, names: Iterable[str]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for name in names:
+        out += [
+            {**r, "engine": name}
+            for r in http_json(fleet.c.engines[name].url + "/admin/requests")["requests"]
+        ]
+    return out
+
+
+def clear_engine_logs(fleet: Fleet) -> None:
+    for e in fleet.c.engines.values():
+        urllib.request.urlopen(urllib.request.Request(e.url + "/admin/requests", method="DELETE"), timeout=10)
+
+
+def test_engines_get_bodies_they_accept(fleet: Fleet) -> None:
+    """min_tokens, n > 1 and a reused X-Request-Id, checked against what each engine received."""
+    clear_engine_logs(fleet)
+    body = {"model": "sim", "prompt": "at least three", "max_tokens": 5, "min_tokens": 3}
+    r = post(fleet.url + "/v1/completions", body, headers={"X-Request-Id": "client-7"})
+    assert r.status_code == 200, r.text
+    assert r.headers["X-Request-Id"] == "client-7"
+
+    # Two clients reusing one id at once: the engines must not see the collision.
+    def reuse(i: int) -> Resp:
+        dup = {"model": "sim", "prompt": f"dup {i}", "max_tokens": 8, "stream": True}
+        return post(fleet.url + "/v1/completions", dup, headers={"X-Request-Id": "dup"})
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        same = list(pool.map(reuse, range(2)))
+    assert [s.status_code for s in same] == [200, 200] and all("[DONE]" in s.text for s in same)
+    full = fleet.client().chat.completions.create(
+        model="sim", messages=[{"role": "user", "content": "two please"}], max_tokens=3, n=2
+    )
+    assert len(full.choices) == 2
+    log = engine_log(fleet, [*PREFILL, *DECODE])
+    ids = [r["request_id"] for r in log]
+    assert "client-7" not in ids and "dup" not in ids
+    decode_ids = [r["request_id"] for r in log if r["engine"] in DECODE]
+    assert len(decode_ids) == len(set(decode_ids)), decode_ids  # a fresh id per dispatch
+    mins = [r for r in log if r["body"].get("prompt") == "at least three"]
+    for r in mins:
+        if fleet.protocol == "vllm" and r["engine"] in PREFILL:
+            assert "min_tokens" not in r["body"] and r["body"]["max_tokens"] == 1
+        else:
+            assert r["body"]["min_tokens"] == 3
+    chat = [r for r in log if "messages" in r["body"]]
+    if fleet.protocol == "sglang":
+        # n = 2 became two single-sample requests, each with its own room on both engines
+        assert all(r["body"].get("n", 1) == 1 for r in chat)
+        rooms = {r["body"]["bootstrap_room"] for r in chat}
+        assert len(rooms) == 2 and len(chat) == 4
 
 
 def test_generate_with_sglang_request_shape(fleet: Fleet) -> None:
