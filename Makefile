@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo lint proto proto-check bench bench-peers helm clean
+.PHONY: venv test demo lint proto proto-check bench bench-peers helm image clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -53,6 +53,10 @@ bench-peers: $(STAMP)
 ## Fetch helm (for the chart tests) into the virtual environment.
 helm: $(STAMP)
 	bash scripts/get-helm.sh $(BIN)
+
+## Build the container image and tag it as the chart's default image (docker, podman or buildah).
+image:
+	bash scripts/build-image.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
