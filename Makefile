@@ -14,8 +14,12 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-## Run the whole test suite (unit, integration, cluster).
+## Run the whole test suite (unit, integration, cluster, chart). Fetches helm for the chart tests and,
+## where podman exists, builds the image for the containerised chart demo (skipped without podman).
 test: $(STAMP)
+	test -x $(BIN)/helm || command -v helm >/dev/null || bash scripts/get-helm.sh $(BIN)
+	if command -v podman >/dev/null; then bash scripts/build-image.sh; \
+	else echo "podman not found: the containerised chart demo will be skipped"; fi
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 ## Run the local cluster demo (etcd, masters, agents, simulated engines).

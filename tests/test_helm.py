@@ -873,19 +873,65 @@ def _get_json(url: str) -> tuple[int, Any]:
         return 0, None
 
 
-@pytest.fixture(scope="module")
+def _built_image() -> tuple[str, str]:
+    """(container tool, image) for the containerised demo: the chart's default image, as `make image` tags it.
+
+    Without podman it skips outside CI; in CI (``$CI`` set) a missing tool or image is a failure.
+    """
+    tool = shutil.which("podman")
+    image = _default_image()
+    if tool is None:
+        if os.environ.get("CI"):
+            pytest.fail("podman is required in CI for the containerised demo (.ci/run installs it)")
+        pytest.skip("podman not found: the rendered demo runs only as local processes here")
+    exists = subprocess.run([tool, "image", "exists", image], check=False, timeout=60).returncode == 0
+    if not exists:
+        if os.environ.get("CI"):
+            pytest.fail(f"{image} is not built: run `make image` first")
+        pytest.skip(f"{image} is not built (`make image` builds it; `make test` does so when podman exists)")
+    return tool, image
+
+
+def _default_image() -> str:
+    master = master_container(render())
+    return str(master["image"])
+
+
+def _in_container(
+    tool: str, image: str, name: str, c: Doc, argv: list[str], env: dict[str, str]
+) -> list[str]:
+    """``podman run`` of the rendered container: host network (the ports are already distinct local
+    ports), the image's entrypoint (tini), and the rendered securityContext's read-only root and user."""
+    sc = c.get("securityContext", {})
+    run = [tool, "run", "--rm", "--name", name, "--network=host", "--cap-drop=ALL"]
+    run += ["--security-opt=no-new-privileges", "--stop-timeout=15"]
+    if sc.get("readOnlyRootFilesystem"):
+        run.append("--read-only")  # podman still mounts a tmpfs on /tmp, as the chart's emptyDir does
+    if "runAsUser" in sc:
+        run.append(f"--user={sc['runAsUser']}:{sc.get('runAsGroup', sc['runAsUser'])}")
+    for key, value in env.items():
+        run.append(f"--env={key}={value}")
+    return [*run, image, c["command"][0], *argv[1:]]
+
+
+@pytest.fixture(scope="module", params=["processes", "containers"])
 def local_demo(
-    helm: str, etcd: Any, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, helm: str, etcd: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[dict[int, int]]]:
-    """The rendered masters, pdsim engines and sidecars started with their rendered flags and probes.
+    """The rendered masters, pdsim engines and sidecars started with their rendered flags and probes,
+    as local processes and as containers of the chart's default image (podman, host network).
 
     Yields the port map (container port → local port) of each master pod.
     """
     from pdcoord.launcher import ProcessGroup
     from pdcoord.netutil import free_port
 
+    containers = request.param == "containers"
+    tool, image = _built_image() if containers else ("", "")
+    token = secrets.token_hex(3)
+    started: list[str] = []  # container names, removed at the end if podman left one behind
     values = {
-        "cluster": f"helm-demo-{secrets.token_hex(3)}",
+        "cluster": f"helm-demo-{token}",
         "master": {"replicaCount": 2},
         "demo": {"enabled": True, "prefill": {"replicaCount": 1}, "decode": {"replicaCount": 1}},
     }
@@ -905,6 +951,10 @@ def local_demo(
                 }
                 for c in pod["containers"]:
                     argv, env = _local_command(c, pod_name, etcd.endpoint, ports)
+                    if containers:
+                        assert c["image"] == image, f"{pod_name}/{c['name']} runs {c['image']}, not {image}"
+                        started.append(f"pdcoord-test-{token}-{pod_name}-{c['name']}")
+                        argv, env = _in_container(tool, image, started[-1], c, argv, env), {}
                     proc = group.start(f"{pod_name}-{c['name']}", argv, env=env)
                     probes[proc.name] = _probe_url(
                         c, "readinessProbe" if "readinessProbe" in c else "livenessProbe", ports
@@ -913,7 +963,7 @@ def local_demo(
                         masters.append((c, ports))
         assert len(masters) == 2
         # Masters pass /readiness only once a prefill and a decode node hold a share.
-        deadline = time.monotonic() + 40
+        deadline = time.monotonic() + (60 if containers else 40)
         while probes and time.monotonic() < deadline:
             for proc in group.processes:
                 assert proc.alive, f"{proc.name} exited with {proc.returncode}:\n{proc.tail(30)}"
@@ -927,6 +977,14 @@ def local_demo(
         raise
     finally:
         group.close()
+        if started:
+            # SIGTERM to `podman run` stops its container; this removes one whose client was killed.
+            subprocess.run(
+                [tool, "rm", "--force", "--ignore", "--time=0", *started],
+                capture_output=True,
+                timeout=120,
+                check=False,
+            )
 
 
 @pytest.mark.cluster
@@ -968,6 +1026,29 @@ def test_rendered_demo_serves_a_chat_completion(local_demo: list[dict[int, int]]
     assert status == 200
     assert reply["choices"][0]["message"]["content"]
     assert reply["model"] == "pdsim-demo"
+
+
+def test_make_image_tags_the_charts_default_image(helm: str) -> None:
+    """`make image` (scripts/build-image.sh) tags exactly the image every pdcoord container renders with."""
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "build-image.sh"), "--ref"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ref = proc.stdout.strip()
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert ref.endswith(f":{chart['appVersion']}"), ref
+    docs = render({"demo": {"enabled": True}})
+    images = {
+        c["image"]
+        for d in [*find(docs, "Deployment"), *find(docs, "Pod")]
+        for c in (d["spec"].get("template", {}).get("spec") or d["spec"])["containers"]
+        if c.get("command", [""])[0] in {"pdmaster", "nodeagent", "pdsim", "python"}
+    }
+    assert images == {ref}
 
 
 # --- scripts/get-helm.sh --------------------------------------------------------------------------
