@@ -39,7 +39,7 @@ MASTER = f"{RELEASE}-pdcoord-master"
 # Oldest Kubernetes the chart targets with native preStop sleep, and the newest schema available.
 KUBE_VERSIONS = ["1.30.0", kubernetes_validate.utils.latest_version()]
 # CRDs have no schema in kubernetes-validate; their shape is asserted separately.
-CRD_KINDS = {"ServiceMonitor"}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "Certificate"}
 
 EXTERNAL_ETCD = ["etcd-a.infra.svc.cluster.local:2379", "etcd-b.infra.svc.cluster.local:2379"]
 
@@ -180,6 +180,7 @@ SCENARIOS: dict[str, dict[str, Any] | None] = {
     "demo": load_values_file(CHART / "ci" / "demo-values.yaml"),
     "hpa": load_values_file(CHART / "ci" / "hpa-values.yaml"),
     "security": load_values_file(CHART / "ci" / "security-values.yaml"),
+    "operations": load_values_file(CHART / "ci" / "operations-values.yaml"),
     "sglang-example": load_values_file(CHART / "examples" / "sglang-engines-values.yaml"),
     "vllm-example": load_values_file(CHART / "examples" / "vllm-engines-values.yaml"),
 }
@@ -651,7 +652,14 @@ def test_defaults_mount_no_secrets(helm: str) -> None:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"etcd": {"tls": {"existingSecret": "x"}}}, "etcd.tls is for an external etcd"),
+        (
+            {"etcd": {"enabled": False, "endpoints": ["e:2379"], "tls": {"serverSecret": "x"}}},
+            "configure the bundled etcd",
+        ),
+        (
+            {"etcd": {"tls": {"certManager": {"enabled": True, "issuerRef": {"name": "ca"}}}}},
+            "needs cert-manager's Certificate CRD",
+        ),
         ({"etcd": {"auth": {"user": "u"}}}, "etcd.auth.user needs etcd.auth.existingSecret"),
         ({"etcd": {"auth": {"existingSecret": "s"}}}, "etcd.auth.existingSecret needs etcd.auth.user"),
         (
