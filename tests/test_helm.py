@@ -1059,6 +1059,29 @@ def test_make_image_tags_the_charts_default_image(helm: str) -> None:
     assert images == {ref}
 
 
+@pytest.mark.cluster
+def test_rendered_helm_test_pod_passes(
+    local_demo: list[dict[int, int]], request: pytest.FixtureRequest
+) -> None:
+    """The `helm test` pod's own script (readiness, /admission, one completion) against a master,
+    run in the image in the containerised demo."""
+    docs = render({"demo": {"enabled": True}})
+    (pod,) = find(docs, "Pod")
+    c = pod["spec"]["containers"][0]
+    assert c["command"][:2] == ["python", "-c"]
+    service = f"http://{MASTER}:{one(docs, 'Service', MASTER)['spec']['ports'][0]['port']}"
+    script = c["command"][2]
+    assert service in script and "/v1/chat/completions" in script
+    script = script.replace(service, f"http://127.0.0.1:{local_demo[0][8000]}")
+    argv = [sys.executable, "-c", script]
+    if request.node.callspec.params["local_demo"] == "containers":
+        tool, image = _built_image()
+        argv = [tool, "run", "--rm", "--network=host", "--read-only", image, "python", "-c", script]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "completion:" in proc.stdout
+
+
 # --- scripts/get-helm.sh --------------------------------------------------------------------------
 
 
