@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo lint proto proto-check bench bench-peers helm clean
+.PHONY: venv test demo lint proto proto-check bench bench-peers helm image clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,8 +14,12 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-## Run the whole test suite (unit, integration, cluster).
+## Run the whole test suite (unit, integration, cluster, chart). Fetches helm for the chart tests and,
+## where podman exists, builds the image for the containerised chart demo (skipped without podman).
 test: $(STAMP)
+	test -x $(BIN)/helm || command -v helm >/dev/null || bash scripts/get-helm.sh $(BIN)
+	if command -v podman >/dev/null; then bash scripts/build-image.sh; \
+	else echo "podman not found: the containerised chart demo will be skipped"; fi
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 ## Run the local cluster demo (etcd, masters, agents, simulated engines).
@@ -53,6 +57,10 @@ bench-peers: $(STAMP)
 ## Fetch helm (for the chart tests) into the virtual environment.
 helm: $(STAMP)
 	bash scripts/get-helm.sh $(BIN)
+
+## Build the container image and tag it as the chart's default image (docker, podman or buildah).
+image:
+	bash scripts/build-image.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

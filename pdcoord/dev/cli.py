@@ -17,6 +17,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--port", type=port, default=2379, help="client port on 127.0.0.1")
     e.add_argument("--peer-port", type=port, default=None, help="peer port (default: port + 1)")
     e.add_argument("--data-dir", required=True, help="etcd data directory (kept across runs)")
+    e.add_argument("--cert-file", default=None, help="serve clients over TLS with this certificate (PEM)")
+    e.add_argument("--key-file", default=None, help="private key of --cert-file (PEM)")
+    e.add_argument(
+        "--trusted-ca-file",
+        default=None,
+        help="with --cert-file: require client certificates signed by this CA (etcd --client-cert-auth)",
+    )
+    e.add_argument(
+        "--metrics-port", type=port, default=None, help="plain-HTTP /health and /metrics port (with TLS)"
+    )
 
     d = sub.add_parser(
         "demo",
@@ -32,9 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "etcd":
-        from pdcoord.dev.etcd_server import run_foreground
+        from pdcoord.dev.etcd_server import EtcdServerTLS, run_foreground
 
-        sys.exit(run_foreground(args.port, args.data_dir, peer_port=args.peer_port))
+        tls = None
+        if args.cert_file or args.key_file:
+            if not (args.cert_file and args.key_file):
+                sys.exit("pdcoord etcd: --cert-file and --key-file go together")
+            tls = EtcdServerTLS(args.cert_file, args.key_file, args.trusted_ca_file)
+        elif args.trusted_ca_file:
+            sys.exit("pdcoord etcd: --trusted-ca-file needs --cert-file and --key-file")
+        sys.exit(
+            run_foreground(
+                args.port, args.data_dir, peer_port=args.peer_port, tls=tls, metrics_port=args.metrics_port
+            )
+        )
     if args.command == "demo":
         setup_logging("warning", "pdcoord-demo")
         from pdcoord.dev.demo import run_demo

@@ -332,8 +332,13 @@ def run_foreground(
     *,
     host: str = "127.0.0.1",
     log_level: str = "info",
+    tls: EtcdServerTLS | None = None,
+    metrics_port: int | None = None,
 ) -> int:
     """Run etcd in the foreground until it exits; SIGINT/SIGTERM are forwarded to it.
+
+    With ``tls`` the client port serves TLS only (see ``etcd_argv``); ``metrics_port`` keeps a plain
+    /health and /metrics listener.
 
     The peer port defaults to *port* + 1 (stable, so the same data dir can be restarted). Returns
     etcd's exit status: 0 when it stopped because we forwarded SIGINT/SIGTERM to it (etcd re-raises
@@ -348,8 +353,11 @@ def run_foreground(
         peer_port=peer_port if peer_port is not None else port + 1,
         data_dir=data_dir,
         log_level=log_level,
+        tls=tls,
+        metrics_port=metrics_port,
     )
-    print(f"etcd {binary} serving on http://{host}:{port} (data dir {data_dir})", file=sys.stderr, flush=True)
+    url = f"{'https' if tls else 'http'}://{host}:{port}"
+    print(f"etcd {binary} serving on {url} (data dir {data_dir})", file=sys.stderr, flush=True)
     # own session: a terminal Ctrl-C reaches us once and we forward it once
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
 

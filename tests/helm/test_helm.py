@@ -39,7 +39,7 @@ MASTER = f"{RELEASE}-pdcoord-master"
 # Oldest Kubernetes the chart targets with native preStop sleep, and the newest schema available.
 KUBE_VERSIONS = ["1.30.0", kubernetes_validate.utils.latest_version()]
 # CRDs have no schema in kubernetes-validate; their shape is asserted separately.
-CRD_KINDS = {"ServiceMonitor"}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule", "Certificate"}
 
 EXTERNAL_ETCD = ["etcd-a.infra.svc.cluster.local:2379", "etcd-b.infra.svc.cluster.local:2379"]
 
@@ -180,6 +180,7 @@ SCENARIOS: dict[str, dict[str, Any] | None] = {
     "demo": load_values_file(CHART / "ci" / "demo-values.yaml"),
     "hpa": load_values_file(CHART / "ci" / "hpa-values.yaml"),
     "security": load_values_file(CHART / "ci" / "security-values.yaml"),
+    "operations": load_values_file(CHART / "ci" / "operations-values.yaml"),
     "sglang-example": load_values_file(CHART / "examples" / "sglang-engines-values.yaml"),
     "vllm-example": load_values_file(CHART / "examples" / "vllm-engines-values.yaml"),
 }
@@ -651,7 +652,14 @@ def test_defaults_mount_no_secrets(helm: str) -> None:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"etcd": {"tls": {"existingSecret": "x"}}}, "etcd.tls is for an external etcd"),
+        (
+            {"etcd": {"enabled": False, "endpoints": ["e:2379"], "tls": {"serverSecret": "x"}}},
+            "configure the bundled etcd",
+        ),
+        (
+            {"etcd": {"tls": {"certManager": {"enabled": True, "issuerRef": {"name": "ca"}}}}},
+            "needs cert-manager's Certificate CRD",
+        ),
         ({"etcd": {"auth": {"user": "u"}}}, "etcd.auth.user needs etcd.auth.existingSecret"),
         ({"etcd": {"auth": {"existingSecret": "s"}}}, "etcd.auth.existingSecret needs etcd.auth.user"),
         (
@@ -873,19 +881,65 @@ def _get_json(url: str) -> tuple[int, Any]:
         return 0, None
 
 
-@pytest.fixture(scope="module")
+def _built_image() -> tuple[str, str]:
+    """(container tool, image) for the containerised demo: the chart's default image, as `make image` tags it.
+
+    Without podman it skips outside CI; in CI (``$CI`` set) a missing tool or image is a failure.
+    """
+    tool = shutil.which("podman")
+    image = _default_image()
+    if tool is None:
+        if os.environ.get("CI"):
+            pytest.fail("podman is required in CI for the containerised demo (.ci/run installs it)")
+        pytest.skip("podman not found: the rendered demo runs only as local processes here")
+    exists = subprocess.run([tool, "image", "exists", image], check=False, timeout=60).returncode == 0
+    if not exists:
+        if os.environ.get("CI"):
+            pytest.fail(f"{image} is not built: run `make image` first")
+        pytest.skip(f"{image} is not built (`make image` builds it; `make test` does so when podman exists)")
+    return tool, image
+
+
+def _default_image() -> str:
+    master = master_container(render())
+    return str(master["image"])
+
+
+def _in_container(
+    tool: str, image: str, name: str, c: Doc, argv: list[str], env: dict[str, str]
+) -> list[str]:
+    """``podman run`` of the rendered container: host network (the ports are already distinct local
+    ports), the image's entrypoint (tini), and the rendered securityContext's read-only root and user."""
+    sc = c.get("securityContext", {})
+    run = [tool, "run", "--rm", "--name", name, "--network=host", "--cap-drop=ALL"]
+    run += ["--security-opt=no-new-privileges", "--stop-timeout=15"]
+    if sc.get("readOnlyRootFilesystem"):
+        run.append("--read-only")  # podman still mounts a tmpfs on /tmp, as the chart's emptyDir does
+    if "runAsUser" in sc:
+        run.append(f"--user={sc['runAsUser']}:{sc.get('runAsGroup', sc['runAsUser'])}")
+    for key, value in env.items():
+        run.append(f"--env={key}={value}")
+    return [*run, image, c["command"][0], *argv[1:]]
+
+
+@pytest.fixture(scope="module", params=["processes", "containers"])
 def local_demo(
-    helm: str, etcd: Any, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, helm: str, etcd: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[dict[int, int]]]:
-    """The rendered masters, pdsim engines and sidecars started with their rendered flags and probes.
+    """The rendered masters, pdsim engines and sidecars started with their rendered flags and probes,
+    as local processes and as containers of the chart's default image (podman, host network).
 
     Yields the port map (container port → local port) of each master pod.
     """
     from pdcoord.dev.launcher import ProcessGroup
     from pdcoord.dev.netutil import free_port
 
+    containers = request.param == "containers"
+    tool, image = _built_image() if containers else ("", "")
+    token = secrets.token_hex(3)
+    started: list[str] = []  # container names, removed at the end if podman left one behind
     values = {
-        "cluster": f"helm-demo-{secrets.token_hex(3)}",
+        "cluster": f"helm-demo-{token}",
         "master": {"replicaCount": 2},
         "demo": {"enabled": True, "prefill": {"replicaCount": 1}, "decode": {"replicaCount": 1}},
     }
@@ -905,6 +959,10 @@ def local_demo(
                 }
                 for c in pod["containers"]:
                     argv, env = _local_command(c, pod_name, etcd.endpoint, ports)
+                    if containers:
+                        assert c["image"] == image, f"{pod_name}/{c['name']} runs {c['image']}, not {image}"
+                        started.append(f"pdcoord-test-{token}-{pod_name}-{c['name']}")
+                        argv, env = _in_container(tool, image, started[-1], c, argv, env), {}
                     proc = group.start(f"{pod_name}-{c['name']}", argv, env=env)
                     probes[proc.name] = _probe_url(
                         c, "readinessProbe" if "readinessProbe" in c else "livenessProbe", ports
@@ -913,7 +971,7 @@ def local_demo(
                         masters.append((c, ports))
         assert len(masters) == 2
         # Masters pass /readiness only once a prefill and a decode node hold a share.
-        deadline = time.monotonic() + 40
+        deadline = time.monotonic() + (60 if containers else 40)
         while probes and time.monotonic() < deadline:
             for proc in group.processes:
                 assert proc.alive, f"{proc.name} exited with {proc.returncode}:\n{proc.tail(30)}"
@@ -927,6 +985,14 @@ def local_demo(
         raise
     finally:
         group.close()
+        if started:
+            # SIGTERM to `podman run` stops its container; this removes one whose client was killed.
+            subprocess.run(
+                [tool, "rm", "--force", "--ignore", "--time=0", *started],
+                capture_output=True,
+                timeout=120,
+                check=False,
+            )
 
 
 @pytest.mark.cluster
@@ -968,6 +1034,52 @@ def test_rendered_demo_serves_a_chat_completion(local_demo: list[dict[int, int]]
     assert status == 200
     assert reply["choices"][0]["message"]["content"]
     assert reply["model"] == "pdsim-demo"
+
+
+def test_make_image_tags_the_charts_default_image(helm: str) -> None:
+    """`make image` (scripts/build-image.sh) tags exactly the image every pdcoord container renders with."""
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "build-image.sh"), "--ref"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ref = proc.stdout.strip()
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert ref.endswith(f":{chart['appVersion']}"), ref
+    docs = render({"demo": {"enabled": True}})
+    images = {
+        c["image"]
+        for d in [*find(docs, "Deployment"), *find(docs, "Pod")]
+        for c in (d["spec"].get("template", {}).get("spec") or d["spec"])["containers"]
+        if c.get("command", [""])[0] in {"pdmaster", "nodeagent", "pdsim", "python"}
+    }
+    assert images == {ref}
+
+
+@pytest.mark.cluster
+def test_rendered_helm_test_pod_passes(
+    local_demo: list[dict[int, int]], request: pytest.FixtureRequest
+) -> None:
+    """The `helm test` pod's own script (readiness, /admission, one completion) against a master,
+    run in the image in the containerised demo."""
+    docs = render({"demo": {"enabled": True}})
+    (pod,) = find(docs, "Pod")
+    c = pod["spec"]["containers"][0]
+    assert c["command"][:2] == ["python", "-c"]
+    service = f"http://{MASTER}:{one(docs, 'Service', MASTER)['spec']['ports'][0]['port']}"
+    script = c["command"][2]
+    assert service in script and "/v1/chat/completions" in script
+    script = script.replace(service, f"http://127.0.0.1:{local_demo[0][8000]}")
+    argv = [sys.executable, "-c", script]
+    if request.node.callspec.params["local_demo"] == "containers":
+        tool, image = _built_image()
+        argv = [tool, "run", "--rm", "--network=host", "--read-only", image, "python", "-c", script]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "completion:" in proc.stdout
 
 
 # --- scripts/get-helm.sh --------------------------------------------------------------------------

@@ -86,9 +86,38 @@ etcd.
 {{- $members := list }}
 {{- range $i := until (int .Values.etcd.replicaCount) }}
 {{- $host := include "pdcoord.etcd.memberHost" (dict "root" $root "i" $i) }}
-{{- $members = append $members (printf "%s-%d=http://%s:%d" (include "pdcoord.etcd.fullname" $root) $i $host (int $root.Values.etcd.peerPort)) }}
+{{- $members = append $members (printf "%s-%d=%s://%s:%d" (include "pdcoord.etcd.fullname" $root) $i (include "pdcoord.etcd.scheme" $root) $host (int $root.Values.etcd.peerPort)) }}
 {{- end }}
 {{- join "," $members }}
+{{- end }}
+
+{{/*
+etcd TLS. "pdcoord.etcd.serverTLS" is non-empty when the bundled etcd serves TLS; the Secrets are named
+by "pdcoord.etcd.serverSecret" (etcd pods) and "pdcoord.etcd.clientSecret" (masters, agents).
+*/}}
+{{- define "pdcoord.etcd.serverTLS" -}}
+{{- $t := .Values.etcd.tls }}
+{{- if and .Values.etcd.enabled (or $t.existingSecret $t.serverSecret $t.certManager.enabled) }}true{{ end }}
+{{- end }}
+
+{{- define "pdcoord.etcd.scheme" -}}
+{{- ternary "https" "http" (eq (include "pdcoord.etcd.serverTLS" .) "true") }}
+{{- end }}
+
+{{- define "pdcoord.etcd.serverSecret" -}}
+{{- $t := .Values.etcd.tls }}
+{{- if $t.serverSecret }}{{ $t.serverSecret }}
+{{- else if $t.existingSecret }}{{ $t.existingSecret }}
+{{- else if $t.certManager.enabled }}{{ include "pdcoord.etcd.fullname" . }}-server-tls
+{{- end }}
+{{- end }}
+
+{{- define "pdcoord.etcd.clientSecret" -}}
+{{- $t := .Values.etcd.tls }}
+{{- if $t.clientSecret }}{{ $t.clientSecret }}
+{{- else if $t.existingSecret }}{{ $t.existingSecret }}
+{{- else if and .Values.etcd.enabled $t.certManager.enabled }}{{ include "pdcoord.etcd.fullname" . }}-client-tls
+{{- end }}
 {{- end }}
 
 {{/*
@@ -284,8 +313,19 @@ Transport security. Secrets are referenced by name and mounted read-only under /
 */}}
 {{- define "pdcoord.security.check" -}}
 {{- $e := .Values.etcd }}
-{{- if and $e.tls.existingSecret $e.enabled }}
-{{- fail "etcd.tls is for an external etcd (etcd.enabled=false): the bundled etcd serves plaintext inside the namespace" }}
+{{- if and (or $e.tls.serverSecret $e.tls.certManager.enabled) (not $e.enabled) }}
+{{- fail "etcd.tls.serverSecret and etcd.tls.certManager configure the bundled etcd (etcd.enabled=true); for an external etcd set etcd.tls.existingSecret" }}
+{{- end }}
+{{- if and $e.enabled $e.tls.certManager.enabled }}
+{{- if not ($.Capabilities.APIVersions.Has "cert-manager.io/v1/Certificate") }}
+{{- fail "etcd.tls.certManager.enabled needs cert-manager's Certificate CRD (cert-manager.io/v1), which this cluster does not serve" }}
+{{- end }}
+{{- if not $e.tls.certManager.issuerRef.name }}
+{{- fail "etcd.tls.certManager.enabled needs etcd.tls.certManager.issuerRef.name" }}
+{{- end }}
+{{- end }}
+{{- if and (include "pdcoord.etcd.serverTLS" .) (not (include "pdcoord.etcd.clientSecret" .)) }}
+{{- fail "the bundled etcd serves TLS: set etcd.tls.clientSecret (ca.crt, and tls.crt/tls.key with clientCert) for masters and agents" }}
 {{- end }}
 {{- if and $e.auth.user (not $e.auth.existingSecret) }}
 {{- fail "etcd.auth.user needs etcd.auth.existingSecret (the Secret holding the password)" }}
@@ -310,7 +350,7 @@ Transport security. Secrets are referenced by name and mounted read-only under /
 {{/* etcd TLS / auth flags, shared by pdmaster and nodeagent. */}}
 {{- define "pdcoord.etcd.securityArgs" -}}
 {{- $e := .Values.etcd }}
-{{- if $e.tls.existingSecret }}
+{{- if include "pdcoord.etcd.clientSecret" . }}
 - --etcd-ca=/etc/pdcoord/etcd-tls/ca.crt
 {{- if $e.tls.clientCert }}
 - --etcd-cert=/etc/pdcoord/etcd-tls/tls.crt
@@ -331,7 +371,7 @@ Transport security. Secrets are referenced by name and mounted read-only under /
   mountPath: /etc/pdcoord/grpc-tls
   readOnly: true
 {{- end }}
-{{- if $root.Values.etcd.tls.existingSecret }}
+{{- if include "pdcoord.etcd.clientSecret" $root }}
 - name: pdcoord-etcd-tls
   mountPath: /etc/pdcoord/etcd-tls
   readOnly: true
@@ -358,7 +398,7 @@ Transport security. Secrets are referenced by name and mounted read-only under /
     secretName: {{ $grpc }}
     defaultMode: 0440
 {{- end }}
-{{- with $root.Values.etcd.tls.existingSecret }}
+{{- with include "pdcoord.etcd.clientSecret" $root }}
 - name: pdcoord-etcd-tls
   secret:
     secretName: {{ . }}
