@@ -26,7 +26,7 @@ from pdcoord.dev.cluster import LocalCluster
 from pdcoord.dev.launcher import ProcessGroup
 from pdcoord.dev.netutil import free_port
 from pdcoord.etcd import EtcdClient, EtcdTLSError
-from tests.pki import make_pki
+from tests.cluster.pki import make_pki
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pdcoord"
