@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,12 +67,13 @@ def ensure_sglang_router() -> tuple[str | None, str | None]:
 
 
 def start_sglang_router(
-    group: ProcessGroup, py: str, prefill: Any, decode: Any
+    group: ProcessGroup, py: str, prefill: Any, decode: Any, extra_decode: Sequence[Any] = ()
 ) -> tuple[str | None, int | None, str | None]:
     port = free_port()
+    more = [arg for d in extra_decode for arg in ("--decode", d.url)]
     argv = [
         py, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-        "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url,
+        "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url, *more,
         "--host", "127.0.0.1", "--port", str(port),
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
         "--log-level", "warn",
