@@ -5,8 +5,8 @@ The core decides; the caller does the I/O. Every public call returns (and stores
 affected waiters without scanning anything. Refusals carry a reason *code* and a retry hint; what a
 code means to a client (HTTP status, message) is the adapter's business.
 
-Data structures, chosen so that the cost of a decision does not grow with the queue (every operation
-is O(1) amortized, O(log n) at worst for the rare out-of-order cases):
+Data structures, chosen so that the cost of a decision does not grow with the queue: what joins and
+leaves in arrival order (most tickets) costs O(1) amortized, the rest O(log n), and nothing scans:
 
 * per class, one ``_ClassQueue`` that owns every queued ticket of that class: its counters, a deque in
   arrival order (ticket ids only grow and each class has one fixed timeout, so the deque is sorted
@@ -14,7 +14,7 @@ is O(1) amortized, O(log n) at worst for the rare out-of-order cases):
   and small side heaps for the tickets that joined the class later by promotion;
 * per class and slot count, the *eligible heads*: requests without a session, or the oldest queued
   request of a session that holds no lease. Those that are eligible on arrival go to a FIFO deque;
-  the few that become eligible later (a session's next request, a promoted one) to a side heap by
+  those that become eligible later (a session's next request, a promoted one) to a side heap by
   arrival order. Bucketing by slot count lets backfill find "the oldest that fits" in O(sizes);
 * one heap of queued gangs by size (a shrink fails the ones that no longer fit) and a heap of nodes
   by free slots (placement on the node with the most free slots, which spreads load and is the only

@@ -423,3 +423,53 @@ def test_policy_validation() -> None:
         AdmissionPolicy(queue_waves=-1)
     with pytest.raises(ValueError):
         make({"d1": -1})
+
+
+def test_promoted_waiters_time_out_in_deadline_order_among_native_ones() -> None:
+    clock = Clock()
+    core = make({"d1": 1}, clock, queue_waves=10, max_wait_s={CONT: 10, PROB: 15, COLD: 20})
+    blocker = core.submit(1, COLD, session_id="s")
+    s1 = core.submit(1, COLD, session_id="s")  # deadline +20, and stays +20 (more than CONT's 10)
+    clock.now += 1
+    c1 = core.submit(1, CONT)  # deadline 111
+    clock.now += 1
+    c2 = core.submit(1, CONT)  # deadline 112
+    core.promote_session("s")
+    assert s1.request_class is CONT and s1.deadline == pytest.approx(120)
+    assert core.next_deadline() == pytest.approx(111)
+    clock.now = 111
+    assert core.expire() == [c1]
+    clock.now = 120
+    assert core.expire() == [c2, s1]  # 112 before 120, though s1 arrived first
+    core.release(blocker)
+
+
+def test_trim_evicts_newest_first_across_native_and_promoted_waiters() -> None:
+    core = make({"d1": 1, "d2": 3}, queue_waves=1)
+    held = [core.submit(1, COLD) for _ in range(3)]
+    lease = core.submit(1, COLD, session_id="s")
+    s1 = core.submit(1, COLD, session_id="s")
+    c1 = core.submit(1, CONT)
+    c2 = core.submit(1, CONT)
+    core.promote_session("s")
+    assert [t.state for t in (s1, c1, c2)] == [Q, Q, Q] and s1.request_class is CONT
+    changes = core.set_shares({"d1": 1, "d2": 1})  # bound 2 slots: one of three waiters goes
+    assert changes == [c2]
+    changes = core.set_shares({"d1": 1})  # bound 1
+    assert changes == [c1] and s1.state is Q
+    for t in [*held, lease]:
+        core.release(t)
+
+
+def test_a_clock_that_goes_back_still_times_out_in_deadline_order() -> None:
+    clock = Clock()
+    core = make({"d1": 1}, clock, queue_waves=10)
+    core.submit(1, COLD)
+    late = core.submit(1, COLD)  # deadline 105
+    clock.now -= 2
+    early = core.submit(1, COLD)  # deadline 103, arrived after ``late``
+    assert core.next_deadline() == pytest.approx(103)
+    clock.now = 104
+    assert core.expire() == [early]
+    clock.now = 105
+    assert core.expire() == [late]
