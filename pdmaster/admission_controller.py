@@ -184,8 +184,9 @@ class AdmissionController:
         """Wait for a lease; the caller must release it (prefer ``acquire``)."""
         core = self.core
         t = core.submit(slots=slots, request_class=request_class, session_id=session_id)
-        self._apply(core.last_changes)
-        if t.state is TicketState.QUEUED:
+        queued = t.state is TicketState.QUEUED
+        self._apply(core.last_changes, t if queued else None)
+        if queued:
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters[t.id] = fut
             try:
@@ -244,7 +245,8 @@ class AdmissionController:
         if t.state is TicketState.GRANTED and not t.released:
             self._apply(self.core.release(t))
 
-    def _apply(self, changes: list[Ticket]) -> None:
+    def _apply(self, changes: list[Ticket], queued: Ticket | None = None) -> None:
+        """Count and wake the changed tickets; ``queued``: the waiter that just entered the queue."""
         for t in changes:
             c = t.request_class
             if t.state is TicketState.GRANTED:
@@ -256,7 +258,13 @@ class AdmissionController:
             if fut is not None and not fut.done():
                 fut.set_result(None)
         self._schedule_publish()
-        self._reschedule_timer()
+        # Only a new waiter can bring the next deadline forward (promotion only extends deadlines,
+        # everything else removes waiters): an armed timer needs a look only when the newcomer is
+        # due before it, and then the newcomer is the first due.
+        if self._timer is None:
+            self._reschedule_timer()
+        elif queued is not None and self._timer_at is not None and queued.deadline < self._timer_at:
+            self._reschedule_timer(queued.deadline)
 
     def _loop(self) -> asyncio.AbstractEventLoop | None:
         try:
@@ -287,10 +295,12 @@ class AdmissionController:
         if changed:
             self.publish_count += 1
 
-    def _reschedule_timer(self) -> None:
+    def _reschedule_timer(self, d: float | None = None) -> None:
+        """Arm the timer for the next deadline (``d`` when the caller knows it)."""
         if self._closed:
             return
-        d = self.core.next_deadline()
+        if d is None:
+            d = self.core.next_deadline()
         if self._timer is not None and self._timer_at is not None and (d is None or d >= self._timer_at):
             # Armed early enough: let it fire and re-arm then, instead of churning the loop's timer
             # heap on every grant of the oldest waiter.

@@ -265,3 +265,21 @@ def test_cli_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert policy_from_args(parser.parse_args([])).bypass
     with pytest.raises(SystemExit):
         parser.parse_args(["--admission-weights", "8:3"])
+
+
+async def test_a_waiter_due_before_the_armed_timer_brings_it_forward() -> None:
+    ctl = make(
+        {"d1": 1}, queue_waves=10, max_wait_s={CONT: 30, RequestClass.PROBABLE_CACHE_HIT: 30, COLD: 0.05}
+    )
+    holder = await ctl.acquire_lease()
+    cont = asyncio.create_task(ctl.acquire_lease(request_class=CONT))
+    await settle()
+    armed = ctl._timer_at
+    cold = asyncio.create_task(ctl.acquire_lease(request_class=COLD))
+    await settle()
+    assert armed is not None and ctl._timer_at is not None and ctl._timer_at < armed
+    with pytest.raises(AdmissionRejected) as exc:
+        await cold
+    assert exc.value.code == "timeout" and not cont.done()
+    cont.cancel()
+    holder.release()
