@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -122,6 +122,26 @@ class Lease:
         return f"Lease(node={self.node}, slots={t.slots}, class={t.request_class.name})"
 
 
+class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
+    # A plain class rather than @asynccontextmanager: no generator frame kept alive per waiter.
+    __slots__ = ("_args", "_controller", "_lease")
+
+    def __init__(
+        self, controller: AdmissionController, slots: int, request_class: RequestClass, session_id: str | None
+    ) -> None:
+        self._controller = controller
+        self._args = (slots, request_class, session_id)
+        self._lease: Lease | None = None
+
+    async def __aenter__(self) -> Lease:
+        self._lease = await self._controller.acquire_lease(*self._args)
+        return self._lease
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._lease is not None:
+            self._lease.release()
+
+
 class AdmissionController:
     def __init__(
         self,
@@ -163,17 +183,7 @@ class AdmissionController:
         session_id: str | None = None,
     ) -> contextlib.AbstractAsyncContextManager[Lease]:
         """``async with controller.acquire(n, cls, session) as lease:`` — the lease is released on exit."""
-        return self._lease_cm(slots, request_class, session_id)
-
-    @contextlib.asynccontextmanager
-    async def _lease_cm(
-        self, slots: int, request_class: RequestClass, session_id: str | None
-    ) -> AsyncIterator[Lease]:
-        lease = await self.acquire_lease(slots, request_class, session_id)
-        try:
-            yield lease
-        finally:
-            lease.release()
+        return _LeaseContext(self, slots, request_class, session_id)
 
     async def acquire_lease(
         self,
