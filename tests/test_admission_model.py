@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -36,11 +37,11 @@ FAILURES = {
 }
 
 
-def share_of(snap: dict, node: str) -> int:  # type: ignore[type-arg]
+def share_of(snap: dict[str, Any], node: str) -> int:
     return int(snap["nodes"].get(node, {}).get("share", 0))
 
 
-def max_free(snap: dict) -> int:  # type: ignore[type-arg]
+def max_free(snap: dict[str, Any]) -> int:
     return max([0, *(n["share"] - n["active"] for n in snap["nodes"].values())])
 
 
