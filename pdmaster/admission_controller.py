@@ -1,6 +1,6 @@
 """asyncio adapter around the admission core: waiting, timeouts, HTTP meaning of outcomes, metrics.
 
-One timer handle per controller, always set to the core's next deadline (no per-waiter polling);
+One timer handle per controller, armed no later than the core's next deadline (no per-waiter polling);
 every core call reports the tickets whose state changed, so exactly those waiters are woken.
 Gauges are published at most once per event-loop tick (coalesced with ``call_soon``) and only
 when a value changed.
@@ -143,6 +143,8 @@ class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
 
 
 class AdmissionController:
+    """The admission core on an event loop. Instruments: ``metrics``, or new ones on ``registry``."""
+
     def __init__(
         self,
         policy: AdmissionPolicy | None = None,
