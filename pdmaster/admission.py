@@ -2,20 +2,26 @@
 
 The core decides; the caller does the I/O. Every public call returns (and stores in
 ``last_changes``) the tickets whose state changed during the call, so an adapter can wake exactly the
-affected waiters without scanning anything.
+affected waiters without scanning anything. Refusals carry a reason *code* and a retry hint; what a
+code means to a client (HTTP status, message) is the adapter's business.
 
-Data structures, chosen so that no decision scans the queue (every operation is O(log n) amortized):
+Data structures, chosen so that the cost of a decision does not grow with the queue: what joins and
+leaves in arrival order (most tickets) costs O(1) amortized, the rest O(log n), and nothing scans:
 
-* per class, a heap (by arrival order) of *eligible heads* only: requests without a session, or the
-  oldest queued request of a session that holds no lease. Followers of a session wait in that
-  session's deque and enter the class heap when they become its head;
-* per class, a max-heap by arrival order of every queued ticket (eviction: lowest class, newest first);
-* one heap of deadlines and one heap of queued gangs by size (shrink fails the ones that no longer fit);
-* a heap of nodes by free slots (placement on the node with the most free slots, which spreads load and
-  is the only node worth checking for a gang).
+* per class, one ``_ClassQueue`` that owns every queued ticket of that class: its counters, a deque in
+  arrival order (ticket ids only grow and each class has one fixed timeout, so the deque is sorted
+  both by age and by deadline: timeouts pop from its left, evictions take the newest from its right),
+  and small side heaps for the tickets that joined the class later by promotion;
+* per class and slot count, the *eligible heads*: requests without a session, or the oldest queued
+  request of a session that holds no lease. Those that are eligible on arrival go to a FIFO deque;
+  those that become eligible later (a session's next request, a promoted one) to a side heap by
+  arrival order. Bucketing by slot count lets backfill find "the oldest that fits" in O(sizes);
+* one heap of queued gangs by size (a shrink fails the ones that no longer fit) and a heap of nodes
+  by free slots (placement on the node with the most free slots, which spreads load and is the only
+  node worth checking for a gang).
 
-All heaps use lazy deletion: an entry carries the ticket's generation and is dropped when it surfaces
-stale; a heap that grows beyond twice its live size is compacted, so memory stays bounded.
+Tickets are removed lazily: an entry whose ticket has moved on is dropped when it surfaces, and a
+structure that grows beyond twice its live size is compacted, so memory stays bounded.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import bisect
 import enum
 import heapq
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,10 +41,8 @@ __all__ = [
     "AdmissionPolicy",
     "Reason",
     "RequestClass",
-    "SessionTracker",
     "Ticket",
     "TicketState",
-    "classify_request",
 ]
 
 
@@ -98,26 +102,12 @@ OUTCOMES: tuple[str, ...] = (
     INVALID,
 )
 
-_MESSAGES: dict[str, str] = {
-    QUEUE_FULL: "decode admission queue is full",
-    TIMEOUT: "timed out waiting for decode capacity",
-    EVICTED: "removed from the decode admission queue to make room for higher-priority requests",
-    CANCELLED: "request cancelled while waiting for decode capacity",
-    UNSATISFIABLE: "request needs more decode slots than any decode node has",
-    NO_CAPACITY: "no decode capacity available",
-    CANNOT_FIT_NOW: "request needs more decode slots than this master currently holds on any decode node",
-    INVALID: "invalid slot count",
-}
-_HTTP: dict[str, int] = {UNSATISFIABLE: 400, INVALID: 400, NO_CAPACITY: 503}
-
 
 @dataclass(frozen=True, slots=True)
 class Reason:
-    """Why a ticket did not get (or lost) its place: machine code, text, HTTP status and retry hint."""
+    """Why a ticket did not get (or lost) its place: an outcome code and a retry hint (None: never retry)."""
 
     code: str
-    message: str
-    http_status: int
     retry_after_s: float | None
 
 
@@ -155,7 +145,7 @@ class AdmissionPolicy:
 
 # Where a queued ticket lives.
 _NOWHERE = 0
-_HEAD = 1  # in its class's heap of eligible heads
+_HEAD = 1  # among its class's eligible heads
 _WAIT = 2  # in its session's deque, behind the session's lease or an older request
 _GANG = 3  # the gang DRR picked that does not fit yet (backfill / reservation)
 
@@ -164,7 +154,6 @@ class Ticket:
     """One request's claim on ``slots`` decode slots on a single node. The core mutates it in place."""
 
     __slots__ = (
-        "_gen",
         "_loc",
         "deadline",
         "ended_at",
@@ -195,7 +184,6 @@ class Ticket:
         self.granted_at: float | None = None
         self.ended_at: float | None = None
         self.released = False
-        self._gen = 0
         self._loc = _NOWHERE
 
     @property
@@ -205,11 +193,6 @@ class Ticket:
         if self.ended_at is not None:
             return self.ended_at - self.enqueued_at
         return None
-
-    @property
-    def done(self) -> bool:
-        """True once the ticket has ended: refused/expired/cancelled/evicted, or granted and released."""
-        return self.state is not _QUEUED and (self.state is not _GRANTED or self.released)
 
     def __repr__(self) -> str:
         extra = f" node={self.node}" if self.node else (f" reason={self.reason.code}" if self.reason else "")
@@ -228,22 +211,218 @@ class _Session:
         self.live = 0
 
 
-_Entry = tuple[Any, ...]
+def _live(t: Ticket, c: RequestClass) -> bool:
+    """``t`` is still queued in class ``c`` (for lazily deleted entries)."""
+    return t.state is _QUEUED and t.request_class is c
 
 
-def _compact(heap: list[_Entry], valid: Callable[[_Entry], bool]) -> None:
-    heap[:] = [e for e in heap if valid(e)]
-    heapq.heapify(heap)
+class _Heads:
+    """The eligible heads of one class needing one slot count, oldest first.
+
+    A ticket that is eligible on arrival is the newest of all, so appending keeps ``fifo`` sorted;
+    one that becomes eligible later is older than some of those and goes to the ``late`` heap. The
+    oldest head is the older of the two fronts. An entry is live while its ticket is a head of this
+    class (a ticket is a head at most once per class). ``dead`` counts the entries left behind by
+    heads that ended in place (cancelled, timed out, evicted, promoted): while it is 0 the fronts are
+    live and need no check, which spares a look at a waiter that has long left the CPU cache.
+    """
+
+    __slots__ = ("cls", "dead", "fifo", "late", "n")
+
+    def __init__(self, cls: RequestClass) -> None:
+        self.cls = cls
+        self.fifo: deque[Ticket] = deque()
+        self.late: list[tuple[int, Ticket]] = []  # (id, ticket)
+        self.n = 0  # live heads
+        self.dead = 0  # entries of former heads still in fifo or late
+
+    def push(self, t: Ticket) -> None:
+        self.n += 1
+        f = self.fifo
+        if not f or f[-1].id < t.id:
+            f.append(t)
+        else:
+            heapq.heappush(self.late, (t.id, t))
+
+    def peek(self) -> Ticket:
+        """The oldest live head (callers only ask when ``n`` > 0)."""
+        f = self.fifo
+        h = self.late
+        if self.dead:
+            c = self.cls
+            while f and (f[0]._loc != _HEAD or f[0].request_class is not c):
+                f.popleft()
+                self.dead -= 1
+            while h and (h[0][1]._loc != _HEAD or h[0][1].request_class is not c):
+                heapq.heappop(h)
+                self.dead -= 1
+        if not h:
+            return f[0]
+        if not f or h[0][0] < f[0].id:
+            return h[0][1]
+        return f[0]
+
+    def pop(self, t: Ticket) -> None:
+        """Take ``t``, which ``peek`` just returned."""
+        self.n -= 1
+        f = self.fifo
+        if f and f[0] is t:
+            f.popleft()
+        else:
+            heapq.heappop(self.late)
+
+    def drop(self) -> None:
+        """A head stopped being one in place; its entry is dropped when it surfaces."""
+        self.n -= 1
+        self.dead += 1
+        if not self.n:  # nothing live is left: free the dead entries now
+            self.fifo.clear()
+            self.late.clear()
+            self.dead = 0
+        elif self.dead > self.n + 64:
+            c = self.cls
+            self.fifo = deque(t for t in self.fifo if t._loc == _HEAD and t.request_class is c)
+            self.late = [e for e in self.late if e[1]._loc == _HEAD and e[1].request_class is c]
+            heapq.heapify(self.late)
+            self.dead = 0
 
 
-def _queued_valid(e: _Entry) -> bool:
-    t: Ticket = e[-1]
-    return t._gen == e[-2] and t.state is _QUEUED
+class _ClassQueue:
+    """Every queued ticket of one class: counters, arrival order, promoted arrivals, eligible heads.
 
+    ``arrivals`` holds the tickets that entered the queue in this class, in arrival order; since the
+    class has one timeout and the clock does not go back, their deadlines are in the same order. A
+    ticket promoted into the class is older than some of them and has its own deadline: it goes to
+    the ``moved_*`` heaps instead (promotion is rare, so these stay small).
+    """
 
-def _head_valid(e: _Entry) -> bool:
-    t: Ticket = e[-1]
-    return t._gen == e[-2] and t._loc == _HEAD and t.state is _QUEUED
+    __slots__ = (
+        "arrivals",
+        "cls",
+        "heads",
+        "heads_n",
+        "moved_by_deadline",
+        "moved_newest",
+        "n",
+        "sizes",
+        "slots",
+    )
+
+    def __init__(self, cls: RequestClass) -> None:
+        self.cls = cls
+        self.n = 0  # queued tickets
+        self.slots = 0  # their slots
+        self.arrivals: deque[Ticket] = deque()
+        self.moved_by_deadline: list[tuple[float, int, Ticket]] = []
+        self.moved_newest: list[tuple[int, Ticket]] = []  # (-id, ticket)
+        self.heads: dict[int, _Heads] = {}  # slot count -> eligible heads of that size
+        self.sizes: list[int] = []  # sorted slot counts with at least one live head
+        self.heads_n = 0
+
+    # --- membership
+
+    def add(self, t: Ticket) -> None:
+        self.n += 1
+        self.slots += t.slots
+        a = self.arrivals
+        if a and a[-1].deadline > t.deadline:  # only a clock that went back gets here
+            self.add_moved(t)
+        else:
+            a.append(t)
+
+    def add_moved(self, t: Ticket) -> None:
+        """``t`` joins out of arrival order (promotion): it goes to the side heaps."""
+        heapq.heappush(self.moved_by_deadline, (t.deadline, t.id, t))
+        heapq.heappush(self.moved_newest, (-t.id, t))
+
+    def remove(self, t: Ticket) -> None:
+        """``t`` left the class (its state or class already changed); its entries go lazily."""
+        self.n -= 1
+        self.slots -= t.slots
+        a = self.arrivals
+        c = self.cls
+        # grants mostly take the oldest: trimming the front here keeps the deque short for free
+        while a and (a[0].state is not _QUEUED or a[0].request_class is not c):
+            a.popleft()
+        if len(a) > 2 * self.n + 64:
+            self.arrivals = deque(u for u in a if _live(u, c))
+        if len(self.moved_newest) > 2 * self.n + 64:
+            self.moved_newest = [e for e in self.moved_newest if _live(e[1], c)]
+            heapq.heapify(self.moved_newest)
+            self.moved_by_deadline = [e for e in self.moved_by_deadline if _live(e[2], c)]
+            heapq.heapify(self.moved_by_deadline)
+
+    # --- order
+
+    def first_deadline(self) -> Ticket | None:
+        """The queued ticket of this class with the earliest deadline."""
+        a = self.arrivals
+        c = self.cls
+        while a and (a[0].state is not _QUEUED or a[0].request_class is not c):
+            a.popleft()
+        m = self.moved_by_deadline
+        while m and (m[0][2].state is not _QUEUED or m[0][2].request_class is not c):
+            heapq.heappop(m)
+        if not m:
+            return a[0] if a else None
+        u = m[0][2]
+        return u if not a or (u.deadline, u.id) < (a[0].deadline, a[0].id) else a[0]
+
+    def newest(self) -> Ticket | None:
+        """The most recent arrival still queued in this class (eviction goes newest first)."""
+        a = self.arrivals
+        c = self.cls
+        while a and (a[-1].state is not _QUEUED or a[-1].request_class is not c):
+            a.pop()
+        m = self.moved_newest
+        while m and (m[0][1].state is not _QUEUED or m[0][1].request_class is not c):
+            heapq.heappop(m)
+        if not m:
+            return a[-1] if a else None
+        u = m[0][1]
+        return u if not a or u.id > a[-1].id else a[-1]
+
+    # --- eligible heads
+
+    def push_head(self, t: Ticket) -> None:
+        t._loc = _HEAD
+        self.heads_n += 1
+        n = t.slots
+        h = self.heads.get(n)
+        if h is None:
+            h = self.heads[n] = _Heads(self.cls)
+        if not h.n:
+            bisect.insort(self.sizes, n)
+        h.push(t)
+
+    def take_head(self, t: Ticket) -> None:
+        """Take ``t``, which ``peek_head`` just returned, off the eligible heads."""
+        self.heads_n -= 1
+        t._loc = _NOWHERE
+        h = self.heads[t.slots]
+        h.pop(t)
+        if not h.n:
+            self.sizes.remove(t.slots)
+
+    def drop_head(self, t: Ticket) -> None:
+        """``t`` stops being a head where it is (it ended, or moved to another class)."""
+        self.heads_n -= 1
+        h = self.heads[t.slots]
+        h.drop()
+        if not h.n:
+            self.sizes.remove(t.slots)
+
+    def peek_head(self, limit: int | None) -> Ticket | None:
+        """The oldest eligible head needing at most ``limit`` slots."""
+        best: Ticket | None = None
+        heads = self.heads
+        for n in self.sizes:
+            if limit is not None and n > limit:
+                break
+            t = heads[n].peek()
+            if best is None or t.id < best.id:
+                best = t
+        return best
 
 
 class AdmissionCore:
@@ -261,7 +440,7 @@ class AdmissionCore:
         self._active: dict[str, int] = {}
         self._node_ver: dict[str, int] = {}
         self._ver = 0
-        self._free_heap: list[_Entry] = []  # (-free, node, ver)
+        self._free_heap: list[tuple[int, str, int]] = []  # (-free, node, ver)
         self._capacity = 0
         self._bound = 0
         self._budget = 0
@@ -270,17 +449,9 @@ class AdmissionCore:
         self._active_total = 0
         # queue
         self._seq = 0
-        # eligible heads per class, bucketed by slot count so backfill finds "the oldest that fits"
-        # in O(distinct sizes) instead of stalling behind a gang: size -> heap of (id, gen, t)
-        self._heads: dict[RequestClass, dict[int, list[_Entry]]] = {c: {} for c in CLASS_ORDER}
-        self._head_sizes: dict[RequestClass, list[int]] = {c: [] for c in CLASS_ORDER}  # sorted, live only
-        self._head_size_n: dict[RequestClass, dict[int, int]] = {c: {} for c in CLASS_ORDER}
-        self._heads_n: dict[RequestClass, int] = dict.fromkeys(CLASS_ORDER, 0)
-        self._newest: dict[RequestClass, list[_Entry]] = {c: [] for c in CLASS_ORDER}  # (-id, gen, t)
-        self._deadlines: list[_Entry] = []  # (deadline, id, gen, t)
-        self._gangs: list[_Entry] = []  # (-slots, id, gen, t) for slots > 1
-        self._q_n: dict[RequestClass, int] = dict.fromkeys(CLASS_ORDER, 0)
-        self._q_slots: dict[RequestClass, int] = dict.fromkeys(CLASS_ORDER, 0)
+        self._queues: dict[RequestClass, _ClassQueue] = {c: _ClassQueue(c) for c in CLASS_ORDER}
+        self._qlist = [self._queues[c] for c in CLASS_ORDER]  # indexed like CLASS_ORDER
+        self._gangs: list[tuple[int, int, Ticket]] = []  # (-slots, id, ticket) for slots > 1
         self._queued_n = 0
         self._queued_slots = 0
         self._gang_n = 0
@@ -320,43 +491,16 @@ class AdmissionCore:
     def queued_requests(self) -> int:
         return self._queued_n
 
-    @property
-    def queue_bound(self) -> int:
-        """Queue bound in slots: ``queue_waves`` decode waves of the current capacity."""
-        return self._bound
-
-    @property
-    def backfill_budget(self) -> int:
-        return self._budget
-
-    @property
-    def bypass(self) -> bool:
-        return self._bypass
-
     def active_on(self, node: str) -> int:
         return self._active.get(node, 0)
-
-    def share_of(self, node: str) -> int:
-        return self._shares.get(node, 0)
-
-    def shares(self) -> dict[str, int]:
-        return dict(self._shares)
 
     def wanted_slots(self) -> int:
         """Queued demand in slots (what the master reports to agents as ``wanted_slots``)."""
         return self._queued_slots
 
-    def max_free(self) -> int:
-        return max(0, self._top_free()[0])
-
     def next_deadline(self) -> float | None:
-        h = self._deadlines
-        while h and not _queued_valid(h[0]):
-            heapq.heappop(h)
-        return h[0][0] if h else None
-
-    def outcome_counts(self) -> dict[str, dict[str, int]]:
-        return {c.value: dict(v) for c, v in self._outcomes.items()}
+        t = self._first_deadline()
+        return t.deadline if t is not None else None
 
     def snapshot(self) -> dict[str, Any]:
         nodes = sorted(set(self._shares) | {n for n, a in self._active.items() if a})
@@ -372,9 +516,9 @@ class AdmissionCore:
             "sessions": len(self._sessions),
             "classes": {
                 c.value: {
-                    "queued_requests": self._q_n[c],
-                    "queued_slots": self._q_slots[c],
-                    "eligible_heads": self._heads_n[c],
+                    "queued_requests": self._queues[c].n,
+                    "queued_slots": self._queues[c].slots,
+                    "eligible_heads": self._queues[c].heads_n,
                     "deficit": self._deficit[c],
                     "weight": self._weights[c],
                     "max_wait_s": self._waits[c],
@@ -398,7 +542,7 @@ class AdmissionCore:
                 }
                 for n in nodes
             },
-            "outcomes": self.outcome_counts(),
+            "outcomes": {c.value: dict(v) for c, v in self._outcomes.items()},
         }
 
     # ------------------------------------------------------------------ commands
@@ -436,17 +580,17 @@ class AdmissionCore:
         if not self._bypass and self._queued_n:
             if self._capacity == 0:
                 for c in reversed(CLASS_ORDER):
-                    while (t := self._newest_of(c)) is not None:
+                    q = self._queues[c]
+                    while (t := q.newest()) is not None:
                         self._finish(t, _REJECTED, NO_CAPACITY)
             else:
                 h = self._gangs
                 while h:
-                    e = h[0]
-                    if not _queued_valid(e):
+                    t = h[0][2]
+                    if t.state is not _QUEUED:
                         heapq.heappop(h)
-                    elif -e[0] > self._max_share:
+                    elif t.slots > self._max_share:
                         heapq.heappop(h)
-                        t = e[-1]
                         code = UNSATISFIABLE if t.slots > self._max_full else CANNOT_FIT_NOW
                         self._finish(t, _REJECTED, code)
                     else:
@@ -496,12 +640,11 @@ class AdmissionCore:
                         self._reserved = True
                     self._end()
                     return t
-            rank = _RANK[t.request_class]
-            lower = sum(self._q_slots[c] for c in CLASS_ORDER[rank + 1 :])
-            if lower < overflow:  # replacement is all-or-nothing
+            lower = self._qlist[_RANK[t.request_class] + 1 :]
+            if sum(q.slots for q in lower) < overflow:  # replacement is all-or-nothing
                 return self._refuse(t, QUEUE_FULL)
-            for c in reversed(CLASS_ORDER[rank + 1 :]):
-                while overflow > 0 and (v := self._newest_of(c)) is not None:
+            for q in reversed(lower):
+                while overflow > 0 and (v := q.newest()) is not None:
                     overflow -= v.slots
                     self._finish(v, _EVICTED, EVICTED)
             s = self._sessions.get(session_id) if session_id is not None else None
@@ -548,16 +691,9 @@ class AdmissionCore:
         """Time out every waiter whose deadline is at or before the clock's now."""
         self._begin()
         now = self._now
-        h = self._deadlines
-        while h:
-            e = h[0]
-            if not _queued_valid(e):
-                heapq.heappop(h)
-                continue
-            if e[0] > now:
-                break
-            heapq.heappop(h)
-            self._finish(e[-1], _EXPIRED, TIMEOUT)
+        # earliest deadline first across the classes, so ``last_changes`` lists them in that order
+        while (t := self._first_deadline()) is not None and t.deadline <= now:
+            self._finish(t, _EXPIRED, TIMEOUT)
         if self._changes:
             self._pump()
         return self._end()
@@ -571,12 +707,6 @@ class AdmissionCore:
                 if t.state is _QUEUED and t.request_class is not _CONT:
                     self._reclass(t, _CONT)
             self._pump()
-        return self._end()
-
-    def pump(self) -> list[Ticket]:
-        """Re-run the scheduler (normally never needed: every command already does)."""
-        self._begin()
-        self._pump()
         return self._end()
 
     # ------------------------------------------------------------------ internals: bookkeeping
@@ -598,7 +728,7 @@ class AdmissionCore:
 
     def _reason(self, code: str) -> Reason:
         retry = None if code in (UNSATISFIABLE, INVALID) else self._retry_after()
-        return Reason(code, _MESSAGES[code], _HTTP.get(code, 429), retry)
+        return Reason(code, retry)
 
     def _refuse(self, t: Ticket, code: str) -> Ticket:
         t.state = _REJECTED
@@ -621,7 +751,8 @@ class AdmissionCore:
             heapq.heappush(self._free_heap, (-free, node, ver))
         if len(self._free_heap) > 4 * len(self._node_ver) + 64:
             nv = self._node_ver
-            _compact(self._free_heap, lambda e: nv.get(e[1]) == e[2])
+            self._free_heap = [e for e in self._free_heap if nv.get(e[1]) == e[2]]
+            heapq.heapify(self._free_heap)
 
     def _top_free(self) -> tuple[int, str | None]:
         h = self._free_heap
@@ -633,57 +764,18 @@ class AdmissionCore:
             heapq.heappop(h)
         return 0, None
 
-    def _push(self, heap: list[_Entry], entry: _Entry, live: int, valid: Callable[[_Entry], bool]) -> None:
-        heapq.heappush(heap, entry)
-        if len(heap) > 2 * live + 64:
-            _compact(heap, valid)
-
-    def _push_head(self, t: Ticket) -> None:
-        c = t.request_class
-        n = t.slots
-        t._loc = _HEAD
-        self._heads_n[c] += 1
-        counts = self._head_size_n[c]
-        k = counts.get(n, 0) + 1
-        counts[n] = k
-        if k == 1:
-            bisect.insort(self._head_sizes[c], n)
-        heap = self._heads[c].get(n)
-        if heap is None:
-            heap = self._heads[c][n] = []
-        self._push(heap, (t.id, t._gen, t), k, _head_valid)
-
-    def _drop_head(self, c: RequestClass, n: int) -> None:
-        """A head of class ``c`` and size ``n`` stopped being one (its heap entry may stay, stale)."""
-        self._heads_n[c] -= 1
-        counts = self._head_size_n[c]
-        k = counts[n] - 1
-        if k:
-            counts[n] = k
-        else:
-            del counts[n]
-            self._head_sizes[c].remove(n)
-            self._heads[c][n].clear()  # nothing live is left in it
-
-    def _push_queued(self, t: Ticket) -> None:
-        c = t.request_class
-        self._push(self._deadlines, (t.deadline, t.id, t._gen, t), self._queued_n, _queued_valid)
-        self._push(self._newest[c], (-t.id, t._gen, t), self._q_n[c], _queued_valid)
-        if t.slots > 1:
-            self._push(self._gangs, (-t.slots, t.id, t._gen, t), self._gang_n, _queued_valid)
-
     def _enqueue(self, t: Ticket, s: _Session | None, now: float) -> None:
         c = t.request_class
+        q = self._queues[c]
         t.deadline = now + self._waits[c]
         self._queued_n += 1
         self._queued_slots += t.slots
-        self._q_n[c] += 1
-        self._q_slots[c] += t.slots
+        q.add(t)
         if t.slots > 1:
             self._gang_n += 1
-        self._push_queued(t)
+            self._push_gang(t)
         if t.session_id is None:
-            self._push_head(t)
+            q.push_head(t)
             return
         if s is None:
             s = self._sessions[t.session_id] = _Session()
@@ -693,7 +785,13 @@ class AdmissionCore:
         if blocked:
             t._loc = _WAIT
         else:
-            self._push_head(t)
+            q.push_head(t)
+
+    def _push_gang(self, t: Ticket) -> None:
+        heapq.heappush(self._gangs, (-t.slots, t.id, t))
+        if len(self._gangs) > 2 * self._gang_n + 64:
+            self._gangs = [e for e in self._gangs if e[2].state is _QUEUED]
+            heapq.heapify(self._gangs)
 
     def _refresh_session(self, sid: str, s: _Session) -> None:
         q = s.queue
@@ -703,37 +801,41 @@ class AdmissionCore:
             if s.active is None:
                 del self._sessions[sid]
         elif s.active is None and q[0]._loc == _WAIT:
-            self._push_head(q[0])
+            self._queues[q[0].request_class].push_head(q[0])
 
     def _clear_gang(self) -> None:
         self._gang = None
         self._bf_used = 0
         self._reserved = False
 
+    def _dequeue(self, t: Ticket) -> None:
+        """Queue bookkeeping for a ticket that leaves the queue (granted or not); its state is set."""
+        self._queues[t.request_class].remove(t)
+        self._queued_n -= 1
+        self._queued_slots -= t.slots
+        if t.slots > 1:
+            self._gang_n -= 1
+        loc = t._loc
+        t._loc = _NOWHERE
+        if loc == _HEAD:
+            self._queues[t.request_class].drop_head(t)
+        elif loc == _GANG:
+            self._clear_gang()
+        sid = t.session_id
+        if sid is not None:
+            s = self._sessions[sid]
+            s.live -= 1
+            if t.state is _GRANTED:
+                s.active = t
+            self._refresh_session(sid, s)
+
     def _finish(self, t: Ticket, state: TicketState, code: str) -> None:
         """A queued ticket ends without a grant."""
-        c = t.request_class
-        loc = t._loc
         t.state = state
         t.reason = self._reason(code)
         t.ended_at = self._now
-        self._queued_n -= 1
-        self._queued_slots -= t.slots
-        self._q_n[c] -= 1
-        self._q_slots[c] -= t.slots
-        if t.slots > 1:
-            self._gang_n -= 1
-        if loc == _HEAD:
-            self._drop_head(c, t.slots)
-        elif loc == _GANG:
-            self._clear_gang()
-        t._loc = _NOWHERE
-        t._gen += 1
-        if t.session_id is not None:
-            s = self._sessions[t.session_id]
-            s.live -= 1
-            self._refresh_session(t.session_id, s)
-        self._outcomes[c][code] += 1
+        self._dequeue(t)
+        self._outcomes[t.request_class][code] += 1
         self._changes.append(t)
 
     def _place(self, t: Ticket, node: str | None, now: float) -> None:
@@ -758,74 +860,49 @@ class AdmissionCore:
         self._place(t, node, t.enqueued_at)
 
     def _grant(self, t: Ticket, node: str) -> None:
-        """Grant a queued ticket that was already taken off its heap (or was the blocked gang)."""
-        c = t.request_class
-        self._queued_n -= 1
-        self._queued_slots -= t.slots
-        self._q_n[c] -= 1
-        self._q_slots[c] -= t.slots
-        if t.slots > 1:
-            self._gang_n -= 1
-        t._loc = _NOWHERE
-        t._gen += 1
-        if t.session_id is not None:
-            s = self._sessions[t.session_id]
-            q = s.queue
-            while q[0].state is not _QUEUED:
-                q.popleft()
-            q.popleft()  # the session's head is the ticket being granted
-            s.live -= 1
-            s.active = t
+        """Grant a queued ticket (the head ``_pick`` chose, or the blocked gang)."""
+        t.state = _GRANTED
+        self._dequeue(t)
         self._place(t, node, self._now)
 
-    def _newest_of(self, c: RequestClass) -> Ticket | None:
-        h = self._newest[c]
-        while h:
-            if _queued_valid(h[0]):
-                t: Ticket = h[0][-1]
-                return t
-            heapq.heappop(h)
-        return None
-
-    def _trim(self, bound: int) -> None:
-        for c in reversed(CLASS_ORDER):
-            while self._queued_slots > bound and (t := self._newest_of(c)) is not None:
-                self._finish(t, _EVICTED, EVICTED)
-
-    def _reclass(self, t: Ticket, c: RequestClass) -> None:
-        old = t.request_class
-        self._q_n[old] -= 1
-        self._q_slots[old] -= t.slots
-        self._q_n[c] += 1
-        self._q_slots[c] += t.slots
-        t.request_class = c
-        t._gen += 1
-        t.deadline = max(t.deadline, t.enqueued_at + self._waits[c])
-        self._push_queued(t)
-        if t._loc == _HEAD:
-            self._drop_head(old, t.slots)
-            self._push_head(t)
-
-    # ------------------------------------------------------------------ internals: scheduling
-
-    def _peek_head(self, c: RequestClass, limit: int | None) -> Ticket | None:
-        """The oldest eligible head of class ``c`` needing at most ``limit`` slots."""
+    def _first_deadline(self) -> Ticket | None:
+        # The adapter asks after every call, so the common case is inlined: the front of each class's
+        # arrivals is live (grants trim it) and nothing was promoted.
         best: Ticket | None = None
-        heaps = self._heads[c]
-        for n in self._head_sizes[c]:
-            if limit is not None and n > limit:
-                break
-            h = heaps[n]
-            while not _head_valid(h[0]):  # a live size always has a valid entry
-                heapq.heappop(h)
-            t: Ticket = h[0][-1]
-            if best is None or t.id < best.id:
+        for q in self._qlist:
+            if q.moved_by_deadline:
+                t = q.first_deadline()
+            else:
+                a = q.arrivals
+                c = q.cls
+                while a and (a[0].state is not _QUEUED or a[0].request_class is not c):
+                    a.popleft()
+                t = a[0] if a else None
+            if t is not None and (
+                best is None or t.deadline < best.deadline or (t.deadline == best.deadline and t.id < best.id)
+            ):
                 best = t
         return best
 
-    def _take_head(self, t: Ticket) -> None:
-        heapq.heappop(self._heads[t.request_class][t.slots])  # t is that heap's valid top
-        self._drop_head(t.request_class, t.slots)
+    def _trim(self, bound: int) -> None:
+        for q in reversed(self._qlist):
+            while self._queued_slots > bound and (t := q.newest()) is not None:
+                self._finish(t, _EVICTED, EVICTED)
+
+    def _reclass(self, t: Ticket, c: RequestClass) -> None:
+        old = self._queues[t.request_class]
+        new = self._queues[c]
+        t.request_class = c
+        old.remove(t)
+        t.deadline = max(t.deadline, t.enqueued_at + self._waits[c])
+        new.n += 1
+        new.slots += t.slots
+        new.add_moved(t)
+        if t._loc == _HEAD:
+            old.drop_head(t)
+            new.push_head(t)
+
+    # ------------------------------------------------------------------ internals: scheduling
 
     def _pick(self, limit: int | None) -> tuple[Ticket, bool] | None:
         """DRR over classes with an eligible head costing at most ``limit``; returns (head, lone)."""
@@ -834,13 +911,13 @@ class AdmissionCore:
         n_any = 0
         only = 0
         g = self._gang
-        for i, c in enumerate(CLASS_ORDER):
-            if not self._heads_n[c]:
-                if g is None or g.request_class is not c:
-                    self._deficit[c] = 0.0  # nothing eligible: no credit hoarding
+        for i, q in enumerate(self._qlist):
+            if not q.heads_n:
+                if g is None or g.request_class is not q.cls:
+                    self._deficit[q.cls] = 0.0  # nothing eligible: no credit hoarding
                 continue
             n_any += 1
-            h = self._peek_head(c, limit)
+            h = q.peek_head(limit)
             if h is None:
                 continue
             heads[i] = h
@@ -900,9 +977,8 @@ class AdmissionCore:
             g = self._gang
             if g is not None:
                 if g.slots <= free:
-                    self._clear_gang()
                     self._charge(g.request_class, g.slots, False)
-                    self._grant(g, node)
+                    self._grant(g, node)  # clears the backfill state
                     continue
                 if self._reserved:
                     return  # freed slots wait for the gang
@@ -914,7 +990,7 @@ class AdmissionCore:
                 if pick is None:
                     return
                 t, lone = pick
-                self._take_head(t)
+                self._queues[t.request_class].take_head(t)
                 self._charge(t.request_class, t.slots, lone)
                 self._grant(t, node)
                 self._bf_used += t.slots
@@ -925,7 +1001,7 @@ class AdmissionCore:
             if pick is None:
                 return
             t, lone = pick
-            self._take_head(t)
+            self._queues[t.request_class].take_head(t)
             if t.slots <= free:
                 self._charge(t.request_class, t.slots, lone)
                 self._grant(t, node)
@@ -935,62 +1011,3 @@ class AdmissionCore:
             self._gang = t
             self._bf_used = 0
             self._reserved = self._budget <= 0
-
-
-class SessionTracker:
-    """Sessions with an observed valid output (→ CONTINUATION), TTL- and LRU-bounded."""
-
-    def __init__(
-        self, *, clock: Callable[[], float], ttl_s: float = 1800.0, max_sessions: int = 100_000
-    ) -> None:
-        self._clock = clock
-        self._ttl = ttl_s
-        self._max = max_sessions
-        self._seen: OrderedDict[str, float] = OrderedDict()  # session -> expiry, oldest first
-
-    def __len__(self) -> int:
-        return len(self._seen)
-
-    def observe_output(self, session_id: str) -> bool:
-        """Record a valid output; True when the session was not known as a continuation before."""
-        now = self._clock()
-        self._evict_expired(now)
-        fresh = session_id not in self._seen
-        self._seen[session_id] = now + self._ttl
-        self._seen.move_to_end(session_id)
-        while len(self._seen) > self._max:
-            self._seen.popitem(last=False)
-        return fresh
-
-    def is_continuation(self, session_id: str | None) -> bool:
-        if session_id is None:
-            return False
-        exp = self._seen.get(session_id)
-        if exp is None:
-            return False
-        if exp <= self._clock():
-            del self._seen[session_id]
-            return False
-        return True
-
-    def _evict_expired(self, now: float) -> None:
-        s = self._seen
-        while s:
-            sid, exp = next(iter(s.items()))
-            if exp > now:
-                break
-            del s[sid]
-
-
-def classify_request(
-    session_id: str | None,
-    cache_hit_ratio: float | None,
-    tracker: SessionTracker | None,
-    *,
-    hit_threshold: float = 0.5,
-) -> RequestClass:
-    if tracker is not None and tracker.is_continuation(session_id):
-        return RequestClass.CONTINUATION
-    if cache_hit_ratio is not None and cache_hit_ratio >= hit_threshold:
-        return RequestClass.PROBABLE_CACHE_HIT
-    return RequestClass.COLD

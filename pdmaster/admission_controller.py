@@ -1,6 +1,6 @@
-"""asyncio adapter around the admission core, with its Prometheus instruments.
+"""asyncio adapter around the admission core: waiting, timeouts, HTTP meaning of outcomes, metrics.
 
-One timer handle per controller, always set to the core's next deadline (no per-waiter polling);
+One timer handle per controller, armed no later than the core's next deadline (no per-waiter polling);
 every core call reports the tickets whose state changed, so exactly those waiters are woken.
 Gauges are published at most once per event-loop tick (coalesced with ``call_soon``) and only
 when a value changed.
@@ -13,22 +13,31 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from pdmaster.admission import (
+    CANCELLED,
+    CANNOT_FIT_NOW,
     CLASS_ORDER,
+    EVICTED,
+    GRANTED,
+    INVALID,
+    NO_CAPACITY,
     OUTCOMES,
+    QUEUE_FULL,
+    TIMEOUT,
+    UNSATISFIABLE,
     AdmissionCore,
     AdmissionPolicy,
     RequestClass,
-    SessionTracker,
     Ticket,
     TicketState,
-    classify_request,
 )
+from pdmaster.classify import SessionTracker, classify_request
+from pdmaster.metrics import AdmissionMetrics
 
 __all__ = [
     "AdmissionController",
@@ -38,7 +47,18 @@ __all__ = [
     "policy_from_args",
 ]
 
-WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 30.0, 60.0)
+# What each core outcome code means to an HTTP client. 429 unless listed: the request may succeed later.
+MESSAGES: dict[str, str] = {
+    QUEUE_FULL: "decode admission queue is full",
+    TIMEOUT: "timed out waiting for decode capacity",
+    EVICTED: "removed from the decode admission queue to make room for higher-priority requests",
+    CANCELLED: "request cancelled while waiting for decode capacity",
+    UNSATISFIABLE: "request needs more decode slots than any decode node has",
+    NO_CAPACITY: "no decode capacity available",
+    CANNOT_FIT_NOW: "request needs more decode slots than this master currently holds on any decode node",
+    INVALID: "invalid slot count",
+}
+HTTP_STATUS: dict[str, int] = {UNSATISFIABLE: 400, INVALID: 400, NO_CAPACITY: 503}
 
 
 class AdmissionRejected(Exception):
@@ -64,7 +84,8 @@ class AdmissionRejected(Exception):
         r = t.reason
         if r is None:  # defensive: a non-granted ticket always carries a reason
             return cls("unknown", f"ticket ended as {t.state.value}", 503, 1.0, t.request_class)
-        return cls(r.code, r.message, r.http_status, r.retry_after_s, t.request_class)
+        message = MESSAGES.get(r.code, r.code)
+        return cls(r.code, message, HTTP_STATUS.get(r.code, 429), r.retry_after_s, t.request_class)
 
     @property
     def status(self) -> int:
@@ -90,39 +111,47 @@ class Lease:
         return self.ticket.node
 
     @property
-    def slots(self) -> int:
-        return self.ticket.slots
-
-    @property
-    def request_class(self) -> RequestClass:
-        return self.ticket.request_class
-
-    @property
-    def session_id(self) -> str | None:
-        return self.ticket.session_id
-
-    @property
     def wait_s(self) -> float:
         return self.ticket.wait_s or 0.0
-
-    @property
-    def released(self) -> bool:
-        return self.ticket.released
 
     def release(self) -> None:
         self._controller._release(self.ticket)
 
     def __repr__(self) -> str:
-        return f"Lease(node={self.node}, slots={self.slots}, class={self.request_class.name})"
+        t = self.ticket
+        return f"Lease(node={self.node}, slots={t.slots}, class={t.request_class.name})"
+
+
+class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
+    # A plain class rather than @asynccontextmanager: no generator frame kept alive per waiter.
+    __slots__ = ("_args", "_controller", "_lease")
+
+    def __init__(
+        self, controller: AdmissionController, slots: int, request_class: RequestClass, session_id: str | None
+    ) -> None:
+        self._controller = controller
+        self._args = (slots, request_class, session_id)
+        self._lease: Lease | None = None
+
+    async def __aenter__(self) -> Lease:
+        self._lease = await self._controller.acquire_lease(*self._args)
+        return self._lease
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._lease is not None:
+            self._lease.release()
 
 
 class AdmissionController:
+    """The admission core on an event loop. Instruments: ``metrics``, or new ones on ``registry``."""
+
     def __init__(
         self,
         policy: AdmissionPolicy | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
         registry: CollectorRegistry | None = None,
+        metrics: AdmissionMetrics | None = None,
         master_id: str = "",
     ) -> None:
         self.core = AdmissionCore(policy or AdmissionPolicy(), clock=clock)
@@ -130,36 +159,14 @@ class AdmissionController:
         self.master_id = master_id
         self.sessions = SessionTracker(clock=clock)
         self._clock = clock
-        # a private registry by default, so several controllers can live in one process
-        self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self._g_queued = Gauge(
-            "pdcoord_admission_queued_requests", "Requests waiting for decode slots", registry=r
-        )
-        self._g_queued_slots = Gauge(
-            "pdcoord_admission_queued_slots", "Decode slots wanted by waiters", registry=r
-        )
-        self._g_active = Gauge("pdcoord_admission_active_slots", "Decode slots held by leases", registry=r)
-        self._g_capacity = Gauge(
-            "pdcoord_admission_capacity_slots", "This master's decode capacity", registry=r
-        )
-        self._outcomes = Counter(
-            "pdcoord_admission_outcomes_total",
-            "Admission outcomes per request class",
-            ["class", "outcome"],
-            registry=r,
-        )
-        self._wait = Histogram(
-            "pdcoord_admission_wait_seconds",
-            "Time from arrival to grant",
-            ["class"],
-            buckets=WAIT_BUCKETS,
-            registry=r,
-        )
-        self._outcome_children = {
-            (c, o): self._outcomes.labels(c.value, o) for c in CLASS_ORDER for o in OUTCOMES
-        }
-        self._wait_children = {c: self._wait.labels(c.value) for c in CLASS_ORDER}
+        if metrics is None:
+            # a private registry by default, so several controllers can live in one process
+            reg = registry if registry is not None else CollectorRegistry()
+            metrics = AdmissionMetrics(reg, CLASS_ORDER, OUTCOMES)
+        self.metrics = metrics
+        self.registry = metrics.registry
+        self._outcome_children = metrics.outcome
+        self._wait_children = metrics.wait_of
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -178,17 +185,7 @@ class AdmissionController:
         session_id: str | None = None,
     ) -> contextlib.AbstractAsyncContextManager[Lease]:
         """``async with controller.acquire(n, cls, session) as lease:`` — the lease is released on exit."""
-        return self._lease_cm(slots, request_class, session_id)
-
-    @contextlib.asynccontextmanager
-    async def _lease_cm(
-        self, slots: int, request_class: RequestClass, session_id: str | None
-    ) -> AsyncIterator[Lease]:
-        lease = await self.acquire_lease(slots, request_class, session_id)
-        try:
-            yield lease
-        finally:
-            lease.release()
+        return _LeaseContext(self, slots, request_class, session_id)
 
     async def acquire_lease(
         self,
@@ -199,8 +196,9 @@ class AdmissionController:
         """Wait for a lease; the caller must release it (prefer ``acquire``)."""
         core = self.core
         t = core.submit(slots=slots, request_class=request_class, session_id=session_id)
-        self._apply(core.last_changes)
-        if t.state is TicketState.QUEUED:
+        queued = t.state is TicketState.QUEUED
+        self._apply(core.last_changes, t if queued else None)
+        if queued:
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters[t.id] = fut
             try:
@@ -259,11 +257,12 @@ class AdmissionController:
         if t.state is TicketState.GRANTED and not t.released:
             self._apply(self.core.release(t))
 
-    def _apply(self, changes: list[Ticket]) -> None:
+    def _apply(self, changes: list[Ticket], queued: Ticket | None = None) -> None:
+        """Count and wake the changed tickets; ``queued``: the waiter that just entered the queue."""
         for t in changes:
             c = t.request_class
             if t.state is TicketState.GRANTED:
-                self._outcome_children[(c, "granted")].inc()
+                self._outcome_children[(c, GRANTED)].inc()
                 self._wait_children[c].observe(t.wait_s or 0.0)
             elif t.reason is not None:
                 self._outcome_children[(c, t.reason.code)].inc()
@@ -271,7 +270,13 @@ class AdmissionController:
             if fut is not None and not fut.done():
                 fut.set_result(None)
         self._schedule_publish()
-        self._reschedule_timer()
+        # Only a new waiter can bring the next deadline forward (promotion only extends deadlines,
+        # everything else removes waiters): an armed timer needs a look only when the newcomer is
+        # due before it, and then the newcomer is the first due.
+        if self._timer is None:
+            self._reschedule_timer()
+        elif queued is not None and self._timer_at is not None and queued.deadline < self._timer_at:
+            self._reschedule_timer(queued.deadline)
 
     def _loop(self) -> asyncio.AbstractEventLoop | None:
         try:
@@ -293,9 +298,8 @@ class AdmissionController:
         self._publish_pending = False
         core = self.core
         values = (core.queued_requests, core.queued_slots, core.active, core.capacity)
-        gauges = (self._g_queued, self._g_queued_slots, self._g_active, self._g_capacity)
         changed = False
-        for i, (v, g) in enumerate(zip(values, gauges, strict=True)):
+        for i, (v, g) in enumerate(zip(values, self.metrics.gauges, strict=True)):
             if self._published[i] != v:
                 g.set(v)
                 self._published[i] = v
@@ -303,10 +307,12 @@ class AdmissionController:
         if changed:
             self.publish_count += 1
 
-    def _reschedule_timer(self) -> None:
+    def _reschedule_timer(self, d: float | None = None) -> None:
+        """Arm the timer for the next deadline (``d`` when the caller knows it)."""
         if self._closed:
             return
-        d = self.core.next_deadline()
+        if d is None:
+            d = self.core.next_deadline()
         if self._timer is not None and self._timer_at is not None and (d is None or d >= self._timer_at):
             # Armed early enough: let it fire and re-arm then, instead of churning the loop's timer
             # heap on every grant of the oldest waiter.

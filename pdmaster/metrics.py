@@ -122,3 +122,43 @@ class EndpointMetrics:
         self.ttft = m.ttft.labels(endpoint=endpoint)
         self.duration = m.duration.labels(endpoint=endpoint)
         self.tokens = m.tokens.labels(endpoint=endpoint)
+
+
+class AdmissionMetrics:
+    """The admission queue's instruments: gauges of its state, outcomes and wait time per class."""
+
+    WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 30.0, 60.0)
+
+    def __init__(
+        self, registry: CollectorRegistry, classes: tuple[str, ...], outcomes: tuple[str, ...]
+    ) -> None:
+        self.registry = registry
+        self.queued = Gauge(
+            "pdcoord_admission_queued_requests", "Requests waiting for decode slots", registry=registry
+        )
+        self.queued_slots = Gauge(
+            "pdcoord_admission_queued_slots", "Decode slots wanted by waiters", registry=registry
+        )
+        self.active = Gauge(
+            "pdcoord_admission_active_slots", "Decode slots held by leases", registry=registry
+        )
+        self.capacity = Gauge(
+            "pdcoord_admission_capacity_slots", "This master's decode capacity", registry=registry
+        )
+        self.outcomes = Counter(
+            "pdcoord_admission_outcomes_total",
+            "Admission outcomes per request class",
+            ["class", "outcome"],
+            registry=registry,
+        )
+        self.wait = Histogram(
+            "pdcoord_admission_wait_seconds",
+            "Time from arrival to grant",
+            ["class"],
+            buckets=self.WAIT_BUCKETS,
+            registry=registry,
+        )
+        # children resolved once: ``labels()`` is a locked dict lookup, too slow for every grant
+        self.outcome = {(c, o): self.outcomes.labels(c, o) for c in classes for o in outcomes}
+        self.wait_of = {c: self.wait.labels(c) for c in classes}
+        self.gauges = (self.queued, self.queued_slots, self.active, self.capacity)

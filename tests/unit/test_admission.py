@@ -8,10 +8,8 @@ from pdmaster.admission import (
     AdmissionCore,
     AdmissionPolicy,
     RequestClass,
-    SessionTracker,
     Ticket,
     TicketState,
-    classify_request,
 )
 
 CONT = RequestClass.CONTINUATION
@@ -36,6 +34,20 @@ def make(shares: dict[str, int], clock: Clock | None = None, **policy: object) -
 
 def granted(changes: list[Ticket]) -> list[Ticket]:
     return [t for t in changes if t.state is G]
+
+
+def max_free(core: AdmissionCore) -> int:
+    """Free slots on the emptiest node."""
+    return max([0, *(n["share"] - n["active"] for n in core.snapshot()["nodes"].values())])
+
+
+def queue_bound(core: AdmissionCore) -> int:
+    return int(core.snapshot()["queue_bound_slots"])
+
+
+def done(t: Ticket) -> bool:
+    """The ticket has ended: refused, expired, cancelled, evicted, or granted and released."""
+    return t.state is not Q and (t.state is not G or t.released)
 
 
 def test_drr_capacity_one_grants_8_then_3_then_1() -> None:
@@ -111,7 +123,7 @@ def test_gang_backfill_then_reservation_then_runs() -> None:
     # reserved: freed slots now wait for the gang, nothing else bypasses it
     for _ in range(3):
         assert core.release(running.pop(0)) == []
-        assert core.max_free() > 0
+        assert max_free(core) > 0
     assert core.active == 1
     got = granted(core.release(running.pop(0)))
     assert got == [gang] and gang.node == "d1"
@@ -142,7 +154,7 @@ def test_full_queue_of_session_blocked_waiters_cannot_idle_slots() -> None:
     lease = core.submit(1, COLD, session_id="s")
     blocked = [core.submit(1, CONT, session_id="s") for _ in range(4)]
     assert lease.state is G and all(t.state is Q for t in blocked)
-    assert core.queued_slots == core.queue_bound == 4
+    assert core.queued_slots == queue_bound(core) == 4
     # the queue is full but every waiter is session-blocked: arrivals that fit run at once
     other = core.submit(1, COLD, session_id="other")
     anon = core.submit(1, COLD)
@@ -150,7 +162,7 @@ def test_full_queue_of_session_blocked_waiters_cannot_idle_slots() -> None:
     # ...but never past the blocked session's own FIFO
     same = core.submit(1, CONT, session_id="s")
     assert same.state is TicketState.REJECTED and same.reason and same.reason.code == "queue_full"
-    assert same.reason.http_status == 429 and same.reason.retry_after_s is not None
+    assert same.reason.retry_after_s is not None
 
 
 def test_same_session_fifo_while_other_sessions_proceed() -> None:
@@ -207,12 +219,12 @@ def test_replacement_evicts_lowest_class_newest_first_all_or_nothing() -> None:
     core = make({"d1": 2}, queue_waves=1)
     core.submit(1, COLD), core.submit(1, COLD)
     c1, c2 = core.submit(1, COLD), core.submit(1, COLD)
-    assert core.queued_slots == 2 == core.queue_bound
+    assert core.queued_slots == 2 == queue_bound(core)
     refused = core.submit(1, COLD)  # same class: no replacement
     assert refused.state is TicketState.REJECTED and refused.reason and refused.reason.code == "queue_full"
     p = core.submit(1, PROB)
     assert p.state is Q and c2.state is TicketState.EVICTED and c1.state is Q
-    assert c2.reason and c2.reason.code == "evicted" and c2.reason.http_status == 429
+    assert c2.reason and c2.reason.code == "evicted" and c2.reason.retry_after_s is not None
     assert core.last_changes == [c2]
     # CONT gang of 2 needs both queued slots: COLD c1 first, then PROB p
     gang = core.submit(2, CONT)
@@ -238,23 +250,19 @@ def test_replacement_refuses_when_lower_classes_do_not_free_enough() -> None:
     assert big.state is TicketState.REJECTED and k.state is Q and h.state is Q
 
 
-def test_immediate_failures_carry_codes_statuses_and_retry_hints() -> None:
+def test_immediate_failures_carry_codes_and_retry_hints() -> None:
     core = AdmissionCore(AdmissionPolicy(), clock=Clock())
     t = core.submit(1, COLD)
     assert t.state is TicketState.REJECTED and t.reason and t.reason.code == "no_capacity"
-    assert t.reason.http_status == 503 and t.reason.retry_after_s
+    assert t.reason.retry_after_s
     core.set_shares({"d1": 2, "d2": 2}, node_capacity={"d1": 4, "d2": 2})
     t = core.submit(3, COLD)  # fits d1 when the fleet is whole, not now
-    assert t.reason and (t.reason.code, t.reason.http_status) == ("cannot_fit_now", 429)
+    assert t.reason and t.reason.code == "cannot_fit_now" and t.reason.retry_after_s
     t = core.submit(5, COLD)  # never fits
-    assert t.reason and (t.reason.code, t.reason.http_status, t.reason.retry_after_s) == (
-        "unsatisfiable",
-        400,
-        None,
-    )
+    assert t.reason and (t.reason.code, t.reason.retry_after_s) == ("unsatisfiable", None)
     t = core.submit(0, COLD)
-    assert t.reason and t.reason.http_status == 400
-    outcomes = core.outcome_counts()["cold"]
+    assert t.reason and (t.reason.code, t.reason.retry_after_s) == ("invalid", None)
+    outcomes = core.snapshot()["outcomes"]["cold"]
     assert outcomes["no_capacity"] == 1 and outcomes["cannot_fit_now"] == 1 and outcomes["unsatisfiable"] == 1
 
 
@@ -271,7 +279,7 @@ def test_shrink_fails_unfittable_gangs_trims_and_drains() -> None:
     # new bound 4 slots: 4 queued singles remain, none trimmed; shrink further → trim COLD newest first
     assert core.queued_slots == 4 and gang in changes
     changes = core.set_shares({"d1": 2}, node_capacity={"d1": 4})
-    assert core.queue_bound == 2 and core.queued_slots == 2
+    assert queue_bound(core) == 2 and core.queued_slots == 2
     assert cold[1].state is TicketState.EVICTED and cold[0].state is TicketState.EVICTED
     assert cont.state is Q and prob.state is Q and set(changes) == {cold[0], cold[1]}
     # granted leases run on (8 active > capacity 2) and drain; no new grant until below the share
@@ -294,7 +302,7 @@ def test_zero_capacity_fails_everything_queued() -> None:
     assert set(changes) == set(queued)
     for t in queued:
         assert t.state is TicketState.REJECTED and t.reason and t.reason.code == "no_capacity"
-        assert t.reason.http_status == 503
+        assert t.reason.retry_after_s
     assert core.queued_slots == 0 and core.active == 1
     assert core.release(lease) == [] and core.active == 0
 
@@ -308,7 +316,7 @@ def _reserved_gang(clock: Clock) -> tuple[AdmissionCore, Ticket, list[Ticket], l
         running += granted(core.release(running.pop(0)))
     assert core.snapshot()["backfill"]["reserved"]
     core.release(running.pop(0))
-    assert core.max_free() == 1 and gang.state is Q
+    assert max_free(core) == 1 and gang.state is Q
     return core, gang, running, smalls
 
 
@@ -378,7 +386,7 @@ def test_release_is_idempotent_and_cancel_of_granted_releases() -> None:
     assert core.release(a) == [] and core.active == 1
     assert core.cancel(b) == [] and b.released and core.active == 0
     assert core.release(b) == [] and core.active == 0
-    assert a.done and b.done
+    assert done(a) and done(b)
 
 
 def test_bypass_grants_everything_and_only_counts() -> None:
@@ -408,20 +416,6 @@ def test_snapshot_and_wanted_slots() -> None:
     assert snap["outcomes"]["continuation"]["granted"] == 1
 
 
-def test_session_tracker_ttl_lru_and_classification() -> None:
-    clock = Clock()
-    tr = SessionTracker(clock=clock, ttl_s=10, max_sessions=2)
-    assert classify_request("a", None, tr) is COLD
-    assert classify_request("a", 0.5, tr) is PROB and classify_request("a", 0.49, tr) is COLD
-    assert tr.observe_output("a") is True and tr.observe_output("a") is False
-    assert classify_request("a", None, tr) is CONT
-    tr.observe_output("b")
-    tr.observe_output("c")  # LRU bound 2: "a" goes
-    assert not tr.is_continuation("a") and tr.is_continuation("c") and len(tr) == 2
-    clock.now += 10
-    assert not tr.is_continuation("b") and not tr.is_continuation(None)
-
-
 def test_policy_validation() -> None:
     with pytest.raises(ValueError):
         AdmissionPolicy(weights={CONT: 8, PROB: 0, COLD: 1})
@@ -429,3 +423,53 @@ def test_policy_validation() -> None:
         AdmissionPolicy(queue_waves=-1)
     with pytest.raises(ValueError):
         make({"d1": -1})
+
+
+def test_promoted_waiters_time_out_in_deadline_order_among_native_ones() -> None:
+    clock = Clock()
+    core = make({"d1": 1}, clock, queue_waves=10, max_wait_s={CONT: 10, PROB: 15, COLD: 20})
+    blocker = core.submit(1, COLD, session_id="s")
+    s1 = core.submit(1, COLD, session_id="s")  # deadline +20, and stays +20 (more than CONT's 10)
+    clock.now += 1
+    c1 = core.submit(1, CONT)  # deadline 111
+    clock.now += 1
+    c2 = core.submit(1, CONT)  # deadline 112
+    core.promote_session("s")
+    assert s1.request_class is CONT and s1.deadline == pytest.approx(120)
+    assert core.next_deadline() == pytest.approx(111)
+    clock.now = 111
+    assert core.expire() == [c1]
+    clock.now = 120
+    assert core.expire() == [c2, s1]  # 112 before 120, though s1 arrived first
+    core.release(blocker)
+
+
+def test_trim_evicts_newest_first_across_native_and_promoted_waiters() -> None:
+    core = make({"d1": 1, "d2": 3}, queue_waves=1)
+    held = [core.submit(1, COLD) for _ in range(3)]
+    lease = core.submit(1, COLD, session_id="s")
+    s1 = core.submit(1, COLD, session_id="s")
+    c1 = core.submit(1, CONT)
+    c2 = core.submit(1, CONT)
+    core.promote_session("s")
+    assert [t.state for t in (s1, c1, c2)] == [Q, Q, Q] and s1.request_class is CONT
+    changes = core.set_shares({"d1": 1, "d2": 1})  # bound 2 slots: one of three waiters goes
+    assert changes == [c2]
+    changes = core.set_shares({"d1": 1})  # bound 1
+    assert changes == [c1] and s1.state is Q
+    for t in [*held, lease]:
+        core.release(t)
+
+
+def test_a_clock_that_goes_back_still_times_out_in_deadline_order() -> None:
+    clock = Clock()
+    core = make({"d1": 1}, clock, queue_waves=10)
+    core.submit(1, COLD)
+    late = core.submit(1, COLD)  # deadline 105
+    clock.now -= 2
+    early = core.submit(1, COLD)  # deadline 103, arrived after ``late``
+    assert core.next_deadline() == pytest.approx(103)
+    clock.now = 104
+    assert core.expire() == [early]
+    clock.now = 105
+    assert core.expire() == [late]

@@ -9,13 +9,24 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pdcoord.config import EnvArgumentParser
-from pdmaster.admission import AdmissionPolicy, RequestClass
+from pdmaster.admission import (
+    CLASS_ORDER,
+    OUTCOMES,
+    AdmissionPolicy,
+    Reason,
+    RequestClass,
+    Ticket,
+    TicketState,
+)
 from pdmaster.admission_controller import (
+    HTTP_STATUS,
+    MESSAGES,
     AdmissionController,
     AdmissionRejected,
     add_admission_flags,
     policy_from_args,
 )
+from pdmaster.metrics import AdmissionMetrics
 
 CONT = RequestClass.CONTINUATION
 COLD = RequestClass.COLD
@@ -39,9 +50,9 @@ async def settle() -> None:
 async def test_acquire_places_on_a_node_and_releases_on_exit() -> None:
     ctl = make({"d1": 1, "d2": 2})
     async with ctl.acquire(slots=2, request_class=COLD) as lease:
-        assert lease.node == "d2" and lease.slots == 2 and lease.wait_s == 0.0
+        assert lease.node == "d2" and lease.ticket.slots == 2 and lease.wait_s == 0.0
         assert ctl.active_on("d2") == 2
-    assert lease.released and ctl.core.active == 0
+    assert lease.ticket.released and ctl.core.active == 0
     lease.release()  # idempotent
     assert ctl.core.active == 0
 
@@ -121,7 +132,7 @@ async def test_timeout_raises_with_retry_hint_and_uses_one_timer() -> None:
     r0 = results[0]
     assert isinstance(r0, AdmissionRejected)
     assert r0.code == "timeout" and r0.http_status == 429 and r0.retry_after_header() is not None
-    assert 0.25 <= elapsed < 2.0  # the CONT waiter ran its full 0.3 s
+    assert elapsed >= 0.25  # the CONT waiter ran its full 0.3 s (no upper bound: the machine may be busy)
     assert sample(ctl, "pdcoord_admission_outcomes_total", **{"class": "cold", "outcome": "timeout"}) == 20
     assert ctl.snapshot()["queued_requests"] == 0
     await asyncio.sleep(0.35)  # a timer armed for a deadline that went away fires harmlessly
@@ -139,6 +150,38 @@ async def test_immediate_rejections_raise() -> None:
     with pytest.raises(AdmissionRejected) as exc:
         await ctl.acquire_lease(slots=3)
     assert exc.value.http_status == 400 and exc.value.retry_after_header() is None
+
+
+def test_outcome_codes_map_to_http_status_and_message() -> None:
+    for code in OUTCOMES:
+        if code != "granted":
+            assert MESSAGES[code] and HTTP_STATUS.get(code, 429) in (400, 429, 503)
+    t = Ticket(1, 1, COLD, None, 0.0)
+    t.state, t.reason = TicketState.EVICTED, Reason("evicted", 2.5)
+    exc = AdmissionRejected.from_ticket(t)
+    assert (exc.code, exc.status, exc.http_status, exc.retry_after) == ("evicted", 429, 429, 2.5)
+    assert exc.message == MESSAGES["evicted"] and exc.retry_after_header() == "3"
+    t.reason = Reason("unsatisfiable", None)
+    exc = AdmissionRejected.from_ticket(t)
+    assert exc.status == 400 and exc.retry_after_header() is None
+
+
+async def test_instruments_can_be_shared_through_a_given_metrics_object() -> None:
+    reg = CollectorRegistry()
+    ctl = AdmissionController(
+        AdmissionPolicy(), metrics=AdmissionMetrics(reg, CLASS_ORDER, OUTCOMES), master_id="m1"
+    )
+    assert ctl.registry is reg
+    ctl.set_shares({"d1": 2})
+    lease = await ctl.acquire_lease(request_class=CONT)
+    await settle()
+    assert reg.get_sample_value("pdcoord_admission_active_slots") == 1
+    assert reg.get_sample_value("pdcoord_admission_capacity_slots") == 2
+    labels = {"class": "continuation", "outcome": "granted"}
+    assert reg.get_sample_value("pdcoord_admission_outcomes_total", labels) == 1
+    assert reg.get_sample_value("pdcoord_admission_wait_seconds_count", {"class": "continuation"}) == 1
+    lease.release()
+    ctl.close()
 
 
 async def test_gauges_coalesce_per_tick_and_skip_unchanged_values() -> None:
@@ -191,7 +234,7 @@ async def test_observe_output_promotes_waiters() -> None:
     assert ctl.classify("s") is CONT
     holder.release()
     lease = await asyncio.wait_for(sess, 1)
-    assert lease.request_class is CONT and not cold.done()
+    assert lease.ticket.request_class is CONT and not cold.done()
     lease.release()
     (await asyncio.wait_for(cold, 1)).release()
 
@@ -222,3 +265,21 @@ def test_cli_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert policy_from_args(parser.parse_args([])).bypass
     with pytest.raises(SystemExit):
         parser.parse_args(["--admission-weights", "8:3"])
+
+
+async def test_a_waiter_due_before_the_armed_timer_brings_it_forward() -> None:
+    ctl = make(
+        {"d1": 1}, queue_waves=10, max_wait_s={CONT: 30, RequestClass.PROBABLE_CACHE_HIT: 30, COLD: 0.05}
+    )
+    holder = await ctl.acquire_lease()
+    cont = asyncio.create_task(ctl.acquire_lease(request_class=CONT))
+    await settle()
+    armed = ctl._timer_at
+    cold = asyncio.create_task(ctl.acquire_lease(request_class=COLD))
+    await settle()
+    assert armed is not None and ctl._timer_at is not None and ctl._timer_at < armed
+    with pytest.raises(AdmissionRejected) as exc:
+        await cold
+    assert exc.value.code == "timeout" and not cont.done()
+    cont.cancel()
+    holder.release()

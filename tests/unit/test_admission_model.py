@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,28 @@ SEEDS = int(os.environ.get("PDCOORD_MODEL_SEEDS", "200"))
 OPS = int(os.environ.get("PDCOORD_MODEL_OPS", "500"))
 Q, G = TicketState.QUEUED, TicketState.GRANTED
 NODES = ("d1", "d2", "d3")
+FAILURES = {
+    "queue_full",
+    "timeout",
+    "evicted",
+    "cancelled",
+    "unsatisfiable",
+    "no_capacity",
+    "cannot_fit_now",
+    "invalid",
+}
+
+
+def share_of(snap: dict[str, Any], node: str) -> int:
+    return int(snap["nodes"].get(node, {}).get("share", 0))
+
+
+def max_free(snap: dict[str, Any]) -> int:
+    return max([0, *(n["share"] - n["active"] for n in snap["nodes"].values())])
+
+
+def done(t: Ticket) -> bool:
+    return t.state is not Q and (t.state is not G or t.released)
 
 
 class Walk:
@@ -51,10 +74,12 @@ class Walk:
         rng = self.rng
         shares = {n: rng.choice([0, 1, 2, 3, 4]) for n in NODES if rng.random() < 0.8}
         full = {n: s + rng.choice([0, 0, 2]) for n, s in shares.items()}
-        before = {n: self.core.share_of(n) for n in NODES}
+        snap = self.core.snapshot()
+        before = {n: share_of(snap, n) for n in NODES}
         changes = self.core.set_shares(shares, full)
+        snap = self.core.snapshot()
         for n in NODES:
-            if self.core.share_of(n) < before[n]:
+            if share_of(snap, n) < before[n]:
                 self.over[n] = max(self.over.get(n, 0), self.core.active_on(n))
         return changes
 
@@ -91,7 +116,8 @@ class Walk:
             # same shares again: nothing may change, not even DRR/backfill state
             snap = core.snapshot()
             changes = core.set_shares(
-                core.shares(), {n: v["full_capacity"] for n, v in snap["nodes"].items()}
+                {n: v["share"] for n, v in snap["nodes"].items()},
+                {n: v["full_capacity"] for n, v in snap["nodes"].items()},
             )
             assert changes == []
             assert core.snapshot() == snap
@@ -115,7 +141,7 @@ class Walk:
                     granted_now.append(t)
                     assert t.node is not None and t.reason is None
                 else:
-                    assert t.reason is not None and t.reason.http_status in (400, 429, 503)
+                    assert t.reason is not None and t.reason.code in FAILURES
             else:
                 assert tid not in changed_ids or (new is not None and tid == new.id), (
                     f"{t} reported unchanged"
@@ -124,7 +150,7 @@ class Walk:
                 assert t.state is G, "a granted ticket changed state"
                 assert not (rel and not t.released), "un-released"
             self.prev[tid] = (t.state, t.released)
-            if t.done:
+            if done(t):
                 del self.live[tid]
         for t in changes:
             assert t.id in self.prev, "unknown ticket reported"
@@ -144,14 +170,14 @@ class Walk:
         for n in set(per_node) | set(NODES):
             a = core.active_on(n)
             assert a == per_node[n], (n, a, per_node[n])
-            share = core.share_of(n)
+            share = share_of(snap, n)
             allowed = max(share, self.over.get(n, 0))
             assert a <= allowed, (
                 f"node {n}: active {a} > share {share} (pre-shrink allowance {self.over.get(n)})"
             )
             self.over[n] = a if a > share else 0  # above the share it may only drain
         assert snap["queued_slots"] == queued_slots
-        assert queued_slots <= core.queue_bound, (queued_slots, core.queue_bound)
+        assert queued_slots <= snap["queue_bound_slots"], (queued_slots, snap["queue_bound_slots"])
         assert all(v <= 1 for v in leases.values()), f"more than one lease per session: {leases}"
         if core.capacity == 0:
             assert queued_slots == 0
@@ -166,23 +192,24 @@ class Walk:
             assert not order or order[-1] < t.id
             order.append(t.id)
         # every queued gang can still fit a share
-        max_share = max((core.share_of(n) for n in NODES), default=0)
+        max_share = max((share_of(snap, n) for n in NODES), default=0)
         for t in self.live.values():
             if t.state is Q:
                 assert t.slots <= max_share
         self.check_work_conserving(snap)
-        # lazy heaps stay bounded
-        assert len(core._deadlines) <= 2 * snap["queued_requests"] + 65
-        for c in CLASS_ORDER:
-            for size, heap in core._heads[c].items():
-                assert len(heap) <= 2 * core._head_size_n[c].get(size, 0) + 65
+        # lazily deleted entries stay bounded
+        for q in core._qlist:
+            assert len(q.arrivals) <= 2 * q.n + 65
+            assert len(q.moved_newest) <= 2 * q.n + 65
+            for h in q.heads.values():
+                assert len(h.fifo) + len(h.late) <= 2 * h.n + 65
 
     def check_work_conserving(self, snap: dict) -> None:
         """No slot is left idle that an eligible waiter could use, unless a gang holds a reservation."""
         bf = snap["backfill"]
         if bf["reserved"]:
             return
-        free = self.core.max_free()
+        free = max_free(snap)
         if free <= 0:
             return
         limit = free
@@ -222,13 +249,13 @@ class Walk:
                 core.release(t)
                 core.release(t)  # idempotent
         for t in list(self.live.values()):  # releases may have granted queued ones: none are left
-            assert t.done or t.state is G
+            assert done(t) or t.state is G
             core.release(t)
         assert core.active == 0 and core.queued_slots == 0 and core.queued_requests == 0
         assert all(core.active_on(n) == 0 for n in NODES)
         assert core.snapshot()["sessions"] == 0
-        assert all(t.done for t in self.all)
-        outcomes = core.outcome_counts()
+        assert all(done(t) for t in self.all)
+        outcomes = core.snapshot()["outcomes"]
         assert sum(sum(v.values()) for v in outcomes.values()) == len(self.all), "each ticket ends once"
 
 
