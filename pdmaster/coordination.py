@@ -102,6 +102,8 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                 agent_version=reg.agent_version,
                 incarnation=reg.incarnation,
                 grant=grant,
+                engine_down=reg.engine_down,
+                engine_reason=reg.engine_reason,
             )
         except ProtocolError as exc:
             await self._refuse(context, exc.code, exc.message)
@@ -116,6 +118,8 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
             node.epoch,
             " (legacy agent: full capacity)" if node.legacy else "",
         )
+        if node.engine_down:
+            log.warning("node %s registered with its engine down: %s", node_id, node.engine_reason or "?")
         self.metrics.observe_node(self.registry, node_id)
         try:
             yield self._ack(node_id, node.epoch, 0)
@@ -146,6 +150,15 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                         stream,
                         EngineLoad.from_pb(rep.load),
                     )
+                    if self.registry.report_engine(node_id, stream, rep.engine_down, rep.engine_reason):
+                        if rep.engine_down:
+                            log.warning(
+                                "node %s: engine down (agent): %s; no new leases there",
+                                node_id,
+                                rep.engine_reason or "no reason given",
+                            )
+                        else:
+                            log.info("node %s: engine up again (agent)", node_id)
                 except ProtocolError as exc:
                     await self._refuse(context, exc.code, exc.message)
                     return
