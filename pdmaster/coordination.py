@@ -23,6 +23,8 @@ _ROLES = {pb.PREFILL: PREFILL, pb.DECODE: DECODE}
 
 # (active_slots, wanted_slots) this master holds/wants on a node, for the Ack.
 SlotsProvider = Callable[[str], tuple[int, int]]
+# (node_id, down): the agent's verdict on its engine flipped.
+EngineListener = Callable[[str, bool], None]
 
 
 def _no_slots(_node_id: str) -> tuple[int, int]:
@@ -39,7 +41,9 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         *,
         slots: SlotsProvider = _no_slots,
         max_reports_per_s: float = 50.0,
+        on_engine: EngineListener | None = None,
     ) -> None:
+        self.on_engine = on_engine
         self.master_id = master_id
         self.registry = registry
         self.metrics = metrics
@@ -159,6 +163,8 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                             )
                         else:
                             log.info("node %s: engine up again (agent)", node_id)
+                        if self.on_engine is not None:
+                            self.on_engine(node_id, rep.engine_down)
                 except ProtocolError as exc:
                     await self._refuse(context, exc.code, exc.message)
                     return

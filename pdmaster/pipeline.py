@@ -10,25 +10,47 @@ classify → admit → route → dispatch → relay.
 * dispatch: the request goes to P and D with the configured PD protocol (``engine``);
 * relay: D's answer goes back to the client (``relay``).
 
+Engine faults (DESIGN §7): route asks each engine's circuit breaker for permission (a half-open
+breaker lets exactly one trial through); dispatch tells the breakers how the exchange went. A P or D
+that failed before any byte reached the client is tried again on another pair, with a new lease that
+keeps the request's class, at most ``max_retries`` times and never on a node that already failed it.
+
 Parsing and HTTP errors are the API's (``api``): a stage that fails raises ``RequestFailed``.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from aiohttp import web
 
 from pdmaster.admission_controller import AdmissionController, AdmissionRejected
 from pdmaster.context import RequestContext, RequestFailed
 from pdmaster.engine import Dispatch, EngineError, EnginePool, EngineResponse
+from pdmaster.engine.health import EngineBreakers, counts_as_failure
 from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import RequestMetrics
 from pdmaster.relay import relay_body, relay_stream
 from pdmaster.routing import Router
 
 __all__ = ["RequestPipeline"]
+
+log = logging.getLogger(__name__)
+
+# (node_id, kind) of an engine failure the breaker counted, for the metrics.
+FailureListener = Callable[[str, str], None]
+
+
+def _failure_label(exc: EngineError) -> str:
+    return "5xx" if exc.engine_status >= 500 else exc.kind
+
+
+def _retryable(exc: EngineError) -> bool:
+    """An engine failure another pair may not have: no connection, no answer in time, a connection
+    closed under the request, a 5xx, or a half-open breaker busy with its trial."""
+    return exc.node is not None and (exc.kind == "breaker" or counts_as_failure(exc.kind, exc.engine_status))
 
 
 class RequestPipeline:
@@ -40,17 +62,25 @@ class RequestPipeline:
         dispatch_factory: Callable[[EnginePool], Dispatch],
         lifecycle: Lifecycle,
         metrics: RequestMetrics,
+        breakers: EngineBreakers | None = None,
+        on_engine_failure: FailureListener | None = None,
+        max_retries: int = 0,
+        pool_factory: Callable[[], EnginePool] = EnginePool,
     ) -> None:
         self.router = router
         self.admission = admission
         self.dispatch_factory = dispatch_factory
         self.lifecycle = lifecycle
         self.metrics = metrics
+        self.breakers = breakers if breakers is not None else EngineBreakers()
+        self.on_engine_failure = on_engine_failure
+        self.max_retries = max_retries
+        self.pool_factory = pool_factory
         self._pool: EnginePool | None = None
         self._dispatch: Dispatch | None = None
 
     async def open(self) -> None:
-        self._pool = EnginePool()
+        self._pool = self.pool_factory()
         self._dispatch = self.dispatch_factory(self._pool)
 
     async def close(self) -> None:
@@ -60,23 +90,46 @@ class RequestPipeline:
     async def serve(self, ctx: RequestContext) -> web.StreamResponse:
         self.classify(ctx)
         self.lifecycle.enter()
+        failed: set[str] = set()  # nodes that failed this request: never tried again for it
         try:
             assert ctx.request_class is not None
-            try:
-                async with self.admission.acquire(
-                    slots=ctx.parsed.n, request_class=ctx.request_class, session_id=ctx.session_id
-                ) as lease:
-                    ctx.lease = lease
-                    self.route(ctx)
-                    answer = await self.dispatch(ctx)
-                    try:
-                        return await self.relay(ctx, answer)
-                    finally:
-                        await answer.close()
-            except AdmissionRejected as exc:
-                raise RequestFailed(
-                    exc.status, exc.message, code=exc.code, retry_after=exc.retry_after
-                ) from None
+            while True:
+                try:
+                    async with self.admission.acquire(
+                        slots=ctx.parsed.n, request_class=ctx.request_class, session_id=ctx.session_id
+                    ) as lease:
+                        ctx.lease = lease
+                        if lease.node in failed:
+                            # admission has not yet heard that the node is unusable
+                            raise RequestFailed(
+                                502, f"decode {lease.node} failed this request already", retry_after=1,
+                                type_="upstream_error", code="upstream_failed",
+                            )  # fmt: skip
+                        try:
+                            self.route(ctx, failed)
+                            answer = await self.dispatch(ctx)
+                        except EngineError as exc:
+                            if ctx.retries < self.max_retries and _retryable(exc):
+                                assert exc.node is not None
+                                failed.add(exc.node)
+                                ctx.retries += 1
+                                log.info("request %s: retrying on another pair: %s", ctx.request_id, exc)
+                                continue  # leaves the async with: this lease is released first
+                            raise RequestFailed(
+                                exc.status, exc.message, type_="upstream_error", code="upstream_failed",
+                                retry_after=1 if exc.status == 503 else None,
+                            ) from None  # fmt: skip
+                        finally:
+                            self._settle(ctx, None)
+                        ctx.headers["X-Retries"] = str(ctx.retries)
+                        try:
+                            return await self.relay(ctx, answer)
+                        finally:
+                            await answer.close()
+                except AdmissionRejected as exc:
+                    raise RequestFailed(
+                        exc.status, exc.message, code=exc.code, retry_after=exc.retry_after
+                    ) from None
         finally:
             self.lifecycle.leave()
             ctx.metrics.duration.observe(time.perf_counter() - ctx.arrived)
@@ -90,13 +143,26 @@ class RequestPipeline:
         ctx.request_class = self.admission.classify(ctx.session_id, ctx.estimate.hit_ratio)
         self.metrics.classified(ctx.request_class.name.lower())
 
-    def route(self, ctx: RequestContext) -> None:
+    def route(self, ctx: RequestContext, exclude: Collection[str] = ()) -> None:
+        """Choose P (never one in ``exclude``) and D; take a permission from each one's breaker
+        (EngineError ``breaker`` when a half-open breaker's one trial is already in flight)."""
         assert ctx.lease is not None and ctx.estimate is not None and ctx.request_class is not None
         decode = self.router.decode(ctx.lease.node)
-        prefill = self.router.prefill(ctx.estimate)
+        prefill = self.router.prefill(ctx.estimate, exclude)
         if decode is None or prefill is None:
             what = "prefill" if prefill is None else "decode"
             raise RequestFailed(503, f"no {what} node available", retry_after=1)
+        for node in (prefill, decode):
+            token = self.breakers.allow(node.node_id)
+            if token is None:
+                self._settle(ctx, None)
+                raise EngineError(
+                    f"{node.role} {node.node_id}: its engine failed recently and is being probed",
+                    status=503,
+                    kind="breaker",
+                    node=node.node_id,
+                )
+            ctx.permits[node.node_id] = token
         ctx.prefill, ctx.decode = prefill, decode
         ctx.headers = {
             "X-Request-Id": ctx.request_id,
@@ -107,19 +173,39 @@ class RequestPipeline:
         }
 
     async def dispatch(self, ctx: RequestContext) -> EngineResponse:
+        """D's 200 answer; EngineError otherwise. Both engines' breakers hear the outcome."""
         assert self._dispatch is not None and ctx.prefill is not None and ctx.decode is not None
         prefill = ctx.prefill
         self.router.routed(prefill, ctx.hashes)
         try:
-            return await self._dispatch.open(
+            answer = await self._dispatch.open(
                 ctx.endpoint, ctx.parsed.body, prefill, ctx.decode, ctx.engine_headers(), ctx.raw
             )
         except EngineError as exc:
-            raise RequestFailed(
-                exc.status, exc.message, type_="upstream_error", code="upstream_failed"
-            ) from None
+            if exc.node is not None and counts_as_failure(exc.kind, exc.engine_status):
+                self._engine_failed(exc.node, exc, ctx.permits.pop(exc.node, None))
+            raise
         finally:
             self.router.prefill_done(prefill)
+        self._settle(ctx, True)
+        return answer
+
+    # -- engine health ------------------------------------------------------------------------------
+    def _settle(self, ctx: RequestContext, ok: bool | None) -> None:
+        """Record ``ok`` for every permission of the attempt still open."""
+        if ctx.permits:
+            for node_id, token in ctx.permits.items():
+                self.breakers.record(node_id, token, ok)
+            ctx.permits.clear()
+
+    def _engine_failed(self, node_id: str, exc: EngineError, token: int | None) -> None:
+        """Count a failure of ``node_id``'s engine: with the attempt's permission, or (a failure after
+        the answer began, such as a stalled stream) against the breaker's current state."""
+        if token is None:
+            token = self.breakers.get(node_id).generation
+        self.breakers.record(node_id, token, False, exc.message)
+        if self.on_engine_failure is not None:
+            self.on_engine_failure(node_id, _failure_label(exc))
 
     async def relay(self, ctx: RequestContext, answer: EngineResponse) -> web.StreamResponse:
         def first_output() -> None:
@@ -133,6 +219,8 @@ class RequestPipeline:
             return await relay_body(answer, ctx.headers, ctx.metrics, ctx.arrived, first_output)
         except (EngineError, OSError) as exc:
             assert ctx.decode is not None
+            if isinstance(exc, EngineError) and exc.kind == "timeout":
+                self._engine_failed(ctx.decode.node_id, exc, None)  # a stalled stream
             raise RequestFailed(
                 502, f"decode {ctx.decode.node_id} failed: {exc}", type_="upstream_error"
             ) from None

@@ -61,6 +61,7 @@ class Node:
     engine_down: bool = False
     engine_reason: str = ""
     breaker_open: bool = False
+    breaker_reason: str = ""
 
     @property
     def usable(self) -> bool:
@@ -92,6 +93,7 @@ class Node:
             "engine_down": self.engine_down,
             "engine_reason": self.engine_reason,
             "breaker_open": self.breaker_open,
+            "breaker_reason": self.breaker_reason,
         }
 
 
@@ -340,8 +342,11 @@ class NodeRegistry:
         self._publish()
         return True
 
-    def set_breaker(self, node_id: str, is_open: bool) -> bool:
+    def set_breaker(self, node_id: str, is_open: bool, reason: str = "") -> bool:
         """This master's circuit breaker for the node's engine opened or closed; True when it flipped."""
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.breaker_reason = reason[:MAX_REASON_CHARS]
         if is_open:
             if node_id in self._breaker_open:
                 return False
@@ -350,7 +355,6 @@ class NodeRegistry:
             if node_id not in self._breaker_open:
                 return False
             self._breaker_open.discard(node_id)
-        node = self.nodes.get(node_id)
         if node is not None:
             node.breaker_open = is_open
             self._publish()

@@ -97,6 +97,11 @@ class CircuitBreaker:
         return False
 
     @property
+    def current(self) -> BreakerState:
+        """The state as last moved, without moving it (listeners read this)."""
+        return self._state
+
+    @property
     def usable(self) -> bool:
         """Whether the node may take requests at all (closed, or half-open: its trial decides)."""
         return self.state is not BreakerState.OPEN
