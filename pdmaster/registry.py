@@ -61,6 +61,7 @@ class Node:
     engine_down: bool = False
     engine_reason: str = ""
     breaker_open: bool = False
+    breaker_state: str = "closed"  # closed, open or half_open (half-open: usable, one trial at a time)
     breaker_reason: str = ""
 
     @property
@@ -93,6 +94,7 @@ class Node:
             "engine_down": self.engine_down,
             "engine_reason": self.engine_reason,
             "breaker_open": self.breaker_open,
+            "breaker_state": self.breaker_state,
             "breaker_reason": self.breaker_reason,
         }
 
@@ -139,6 +141,7 @@ class NodeRegistry:
         self._live: dict[str, list[Node]] = {}
         # Nodes whose engine this master's circuit breaker holds open; kept across re-registrations.
         self._breaker_open: set[str] = set()
+        self._breaker_states: dict[str, str] = {}
 
     # -- subscription -------------------------------------------------------------------------
     def subscribe(self, listener: SharesListener) -> None:
@@ -261,6 +264,7 @@ class NodeRegistry:
             engine_down=engine_down,
             engine_reason=engine_reason[:MAX_REASON_CHARS],
             breaker_open=node_id in self._breaker_open,
+            breaker_state=self._breaker_states.get(node_id, "closed"),
         )
         if grant is None:
             node.legacy = True
@@ -342,11 +346,15 @@ class NodeRegistry:
         self._publish()
         return True
 
-    def set_breaker(self, node_id: str, is_open: bool, reason: str = "") -> bool:
-        """This master's circuit breaker for the node's engine opened or closed; True when it flipped."""
+    def set_breaker(self, node_id: str, is_open: bool, reason: str = "", state: str = "") -> bool:
+        """This master's circuit breaker for the node's engine opened or closed; True when it flipped.
+        ``state`` (closed, open, half_open) and ``reason`` are shown in the node's JSON."""
+        state = state or ("open" if is_open else "closed")
+        self._breaker_states[node_id] = state
         node = self.nodes.get(node_id)
         if node is not None:
             node.breaker_reason = reason[:MAX_REASON_CHARS]
+            node.breaker_state = state
         if is_open:
             if node_id in self._breaker_open:
                 return False

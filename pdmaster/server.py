@@ -124,7 +124,10 @@ class MasterServer:
         state = breaker.current
         is_open = state is BreakerState.OPEN
         self.registry.set_breaker(
-            node_id, is_open, breaker.last_error if state is not BreakerState.CLOSED else ""
+            node_id,
+            is_open,
+            breaker.last_error if state is not BreakerState.CLOSED else "",
+            state.value,
         )
         self.metrics.breaker_open.labels(node=node_id).set(0 if state is BreakerState.CLOSED else 1)
         self.metrics.observe_node(self.registry, node_id)

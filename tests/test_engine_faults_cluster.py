@@ -7,8 +7,11 @@ Real processes on loopback: etcd, a master, agents and pdsim engines.
 from __future__ import annotations
 
 import re
+import signal
 import time
+import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -94,3 +97,88 @@ def test_killed_decode_engine_leaves_capacity_and_comes_back(etcd, proc_group: P
     bad = [r for r in after if r.status not in (200, 429) or (r.status == 200 and r.error)]
     assert not bad, f"after the node left, requests must end in 200 or 429: {summarize(bad)}"
     assert any(r.ok for r in after)
+
+
+def _post(url: str, timeout: float = 30) -> tuple[int, str]:
+    """(status, X-Retries) of one small completion."""
+    data = b'{"model": "sim", "prompt": "hello there", "max_tokens": 4}'
+    req = urllib.request.Request(
+        url + "/v1/completions", data=data, method="POST", headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            r.read()
+            return r.status, r.headers.get("X-Retries", "")
+    except urllib.error.HTTPError as e:
+        e.read()
+        return e.code, e.headers.get("X-Retries", "")
+
+
+def _burst(url: str, n: int = 6) -> list[tuple[int, str]]:
+    """``n`` requests at once: more than one decode node's share, so both nodes get some."""
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda _: _post(url), range(n)))
+
+
+def _metric(c: LocalCluster, pattern: str) -> float:
+    with urllib.request.urlopen(c.masters["m1"].url + "/metrics", timeout=3) as r:
+        text = r.read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(r"^" + pattern + r" (\S+)$", text, re.M))
+
+
+def test_breaker_alone_takes_out_a_dead_or_hung_engine_and_retries_hide_it(  # type: ignore[no-untyped-def]
+    etcd, proc_group: ProcessGroup
+) -> None:
+    """The agents do not check their engines here: only the master's own dispatches can notice."""
+    c = LocalCluster(proc_group, etcd.endpoint, f"breaker-{time.monotonic_ns()}")
+    c.start_master("m1", model="sim", engine_first_byte_timeout=2, breaker_backoff=0.5)
+    c.start_node("p1", "prefill", 8, model="sim", no_health_check=True)
+    for name, cap in DECODE.items():
+        c.start_node(name, "decode", cap, model="sim", no_health_check=True)
+    c.wait_for(lambda: c.full_capacity_held(["m1"], {"p1": 8, **DECODE}), timeout=30)
+    url = c.masters["m1"].url
+
+    # Dead: refused connections. Requests placed on d2 are retried on d1 (X-Retries: 1); after
+    # --breaker-failures of them d2's breaker opens and it takes no new leases.
+    c.engines["d2"].proc.kill()
+    seen: list[tuple[int, str]] = []
+
+    def opened() -> bool:
+        seen.extend(_burst(url))
+        return _node(c, "d2")["breaker_open"] is True
+
+    c.wait_for(opened, timeout=30, interval=0)
+    assert (200, "1") in seen, seen
+    assert _node(c, "d2")["effective_share"] == 0
+    assert _metric(c, r'pdcoord_engine_breaker_open\{node="d2"\}') == 1.0
+    assert _metric(c, r'pdcoord_engine_failures_total\{[^}]*node="d2"[^}]*\}') >= 3
+    assert {s for s, _ in seen} <= {200, 502}  # a retry can land on d2 again before it opened
+
+    # Back: a half-open trial succeeds and closes the breaker.
+    c.engines["d2"].proc.start()
+    closed: list[tuple[int, str]] = []
+
+    def back() -> bool:
+        closed.extend(_burst(url))
+        return _node(c, "d2")["breaker_state"] == "closed"
+
+    c.wait_for(back, timeout=30, interval=0)
+    assert _node(c, "d2")["effective_share"] == DECODE["d2"]
+    assert _metric(c, r'pdcoord_engine_breaker_open\{node="d2"\}') == 0.0
+
+    # Hung: SIGSTOP. The first-byte timeout (2 s) ends each exchange with d2 and counts for its
+    # breaker; the request is retried on d1; after --breaker-failures of them d2 is out.
+    c.engines["d2"].proc.send_signal(signal.SIGSTOP)
+    try:
+        hung: list[tuple[int, str]] = []
+
+        def hung_opened() -> bool:
+            hung.extend(_burst(url))
+            return _node(c, "d2")["breaker_open"] is True
+
+        c.wait_for(hung_opened, timeout=60, interval=0)
+        assert (200, "1") in hung, hung
+        assert _metric(c, r'pdcoord_engine_failures_total\{kind="timeout",node="d2"\}') >= 1
+        assert {s for s, _ in hung} <= {200, 502, 504}
+    finally:
+        c.engines["d2"].proc.send_signal(signal.SIGCONT)

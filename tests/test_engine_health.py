@@ -138,3 +138,93 @@ def test_check_health_against_a_real_server() -> None:
     assert ok == ""
     assert "503" in bad
     assert gone.startswith("GET ")
+
+
+# -- timeouts by phase in the engine pool ----------------------------------------------------------
+
+
+async def _raw_server(script: list[tuple[float, bytes]], closed: asyncio.Event) -> tuple[asyncio.Server, str]:
+    """A server that reads a request, then writes each (delay, bytes) of ``script`` in turn and waits."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        try:
+            for delay, data in script:
+                await asyncio.sleep(delay)
+                writer.write(data)
+                await writer.drain()
+            await reader.read()  # until the client closes
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            closed.set()
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def test_pool_first_byte_timeout_ends_with_504_and_closes_the_connection() -> None:
+    from pdmaster.engine import EngineError, EnginePool
+
+    async def main() -> EngineError:
+        closed = asyncio.Event()
+        server, url = await _raw_server([], closed)  # never answers
+        pool = EnginePool(first_byte_timeout_s=0.3, idle_timeout_s=5)
+        try:
+            ex = await pool.send(url, "/x", b"{}", {})
+            try:
+                await asyncio.wait_for(ex.head(), 10)
+            except EngineError as exc:
+                await asyncio.wait_for(closed.wait(), 10)  # the engine sees the request cancelled
+                return exc
+            raise AssertionError("no timeout")
+        finally:
+            await pool.close()
+            server.close()
+
+    exc = asyncio.run(main())
+    assert exc.kind == "timeout" and exc.status == 504 and "no response byte" in exc.message
+
+
+def test_pool_idle_gap_timeout_mid_stream_but_a_slow_steady_stream_lives() -> None:
+    from pdmaster.engine import EngineError, EnginePool
+
+    async def stalled() -> EngineError:
+        closed = asyncio.Event()
+        server, url = await _raw_server([(0, HEAD + b"5\r\nhello\r\n")], closed)  # then silence
+        pool = EnginePool(first_byte_timeout_s=5, idle_timeout_s=0.3)
+        try:
+            ex = await pool.send(url, "/x", b"{}", {})
+            await ex.head()
+            try:
+                await asyncio.wait_for(ex.wait(), 10)
+            except EngineError as exc:
+                await asyncio.wait_for(closed.wait(), 10)
+                return exc
+            raise AssertionError("no timeout")
+        finally:
+            await pool.close()
+            server.close()
+
+    exc = asyncio.run(stalled())
+    assert exc.kind == "timeout" and exc.status == 504 and "mid-response" in exc.message
+
+    async def steady() -> bytes:
+        closed = asyncio.Event()
+        chunks = [(0.0, HEAD)] + [(0.1, b"1\r\nx\r\n")] * 12 + [(0.1, b"0\r\n\r\n")]
+        server, url = await _raw_server(chunks, closed)
+        # the whole answer takes ~1.3 s, far beyond the idle gap: it is never cut while bytes flow
+        pool = EnginePool(first_byte_timeout_s=5, idle_timeout_s=0.5)
+        try:
+            ex = await pool.send(url, "/x", b"{}", {})
+            return await asyncio.wait_for(ex.read(), 10)
+        finally:
+            await pool.close()
+            server.close()
+
+    assert asyncio.run(steady()) == b"x" * 12
