@@ -102,7 +102,7 @@ class RequestPipeline:
                         if lease.node in failed:
                             # admission has not yet heard that the node is unusable
                             raise RequestFailed(
-                                502, f"decode {lease.node} failed this request already", retry_after=1,
+                                503, f"decode {lease.node} failed this request already", retry_after=1,
                                 type_="upstream_error", code="upstream_failed",
                             )  # fmt: skip
                         try:
@@ -211,16 +211,22 @@ class RequestPipeline:
         def first_output() -> None:
             self.admission.observe_output(ctx.session_id)
 
+        assert ctx.decode is not None
         try:
             if ctx.parsed.stream:
-                return await relay_stream(
+                resp = await relay_stream(
                     ctx.request, answer, ctx.headers, ctx.metrics, ctx.arrived, first_output
                 )
+                error = answer.error  # a stalled stream ended with an SSE error event
+                if error is not None and error.kind == "timeout":
+                    self._engine_failed(ctx.decode.node_id, error, None)
+                return resp
             return await relay_body(answer, ctx.headers, ctx.metrics, ctx.arrived, first_output)
         except (EngineError, OSError) as exc:
-            assert ctx.decode is not None
+            status = 502
             if isinstance(exc, EngineError) and exc.kind == "timeout":
-                self._engine_failed(ctx.decode.node_id, exc, None)  # a stalled stream
+                self._engine_failed(ctx.decode.node_id, exc, None)  # a stalled answer
+                status = exc.status
             raise RequestFailed(
-                502, f"decode {ctx.decode.node_id} failed: {exc}", type_="upstream_error"
+                status, f"decode {ctx.decode.node_id} failed: {exc}", type_="upstream_error"
             ) from None

@@ -152,7 +152,7 @@ def test_breaker_alone_takes_out_a_dead_or_hung_engine_and_retries_hide_it(  # t
     assert _node(c, "d2")["effective_share"] == 0
     assert _metric(c, r'pdcoord_engine_breaker_open\{node="d2"\}') == 1.0
     assert _metric(c, r'pdcoord_engine_failures_total\{[^}]*node="d2"[^}]*\}') >= 3
-    assert {s for s, _ in seen} <= {200, 502}  # a retry can land on d2 again before it opened
+    assert {s for s, _ in seen} <= {200, 502, 503}  # a retry may land on d2 again before it opened
 
     # Back: a half-open trial succeeds and closes the breaker.
     c.engines["d2"].proc.start()
@@ -179,6 +179,6 @@ def test_breaker_alone_takes_out_a_dead_or_hung_engine_and_retries_hide_it(  # t
         c.wait_for(hung_opened, timeout=60, interval=0)
         assert (200, "1") in hung, hung
         assert _metric(c, r'pdcoord_engine_failures_total\{kind="timeout",node="d2"\}') >= 1
-        assert {s for s, _ in hung} <= {200, 502, 504}
+        assert {s for s, _ in hung} <= {200, 502, 503, 504}  # explicit answers, never a hang
     finally:
         c.engines["d2"].proc.send_signal(signal.SIGCONT)

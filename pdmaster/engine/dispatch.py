@@ -75,6 +75,11 @@ class EngineResponse:
     def abort(self, error: EngineError) -> None:
         self._d.abort(error)
 
+    @property
+    def error(self) -> EngineError | None:
+        """How D's exchange failed once it ended (None: not ended, or ended well)."""
+        return self._d.error
+
     async def close(self) -> None:
         self._d.abort()  # a no-op once the body is complete
         if self._p is not None:
