@@ -60,19 +60,29 @@ class Node:
     # master's circuit breaker over its own dispatches to the engine.
     engine_down: bool = False
     engine_reason: str = ""
-    breaker_open: bool = False
-    breaker_state: str = "closed"  # closed, open or half_open (half-open: usable, one trial at a time)
+    # closed, open or half_open. Open: no share. Half-open: at most one slot, so admission places
+    # at most one lease there, which is the breaker's one trial request.
+    breaker_state: str = "closed"
     breaker_reason: str = ""
+
+    @property
+    def breaker_open(self) -> bool:
+        return self.breaker_state == "open"
 
     @property
     def usable(self) -> bool:
         """The engine answers as far as this master knows: neither signal says it is down."""
-        return not self.engine_down and not self.breaker_open
+        return not self.engine_down and self.breaker_state != "open"
 
     @property
     def effective_share(self) -> int:
         """What this master may use on the node now: nothing without a live stream or a usable engine."""
-        return self.share if self.connected and not self.engine_down and not self.breaker_open else 0
+        if not self.connected or self.engine_down:
+            return 0
+        state = self.breaker_state
+        if state == "closed":
+            return self.share
+        return min(self.share, 1) if state == "half_open" else 0
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -139,8 +149,8 @@ class NodeRegistry:
         self._connected = 0
         self._capacity = 0
         self._live: dict[str, list[Node]] = {}
-        # Nodes whose engine this master's circuit breaker holds open; kept across re-registrations.
-        self._breaker_open: set[str] = set()
+        # State of this master's circuit breaker per node id when not closed; kept across
+        # re-registrations (it is about the engine, not the stream).
         self._breaker_states: dict[str, str] = {}
 
     # -- subscription -------------------------------------------------------------------------
@@ -263,7 +273,6 @@ class NodeRegistry:
             bootstrap_port=bootstrap_port,
             engine_down=engine_down,
             engine_reason=engine_reason[:MAX_REASON_CHARS],
-            breaker_open=node_id in self._breaker_open,
             breaker_state=self._breaker_states.get(node_id, "closed"),
         )
         if grant is None:
@@ -346,27 +355,23 @@ class NodeRegistry:
         self._publish()
         return True
 
-    def set_breaker(self, node_id: str, is_open: bool, reason: str = "", state: str = "") -> bool:
-        """This master's circuit breaker for the node's engine opened or closed; True when it flipped.
-        ``state`` (closed, open, half_open) and ``reason`` are shown in the node's JSON."""
-        state = state or ("open" if is_open else "closed")
-        self._breaker_states[node_id] = state
+    def set_breaker(self, node_id: str, state: str, reason: str = "") -> bool:
+        """This master's circuit breaker for the node's engine moved to ``state`` (closed, open,
+        half_open); ``reason`` is shown in the node's JSON. True when the state changed."""
+        if state not in ("closed", "open", "half_open"):
+            raise ValueError(f"unknown breaker state {state!r}")
+        before = self._breaker_states.get(node_id, "closed")
+        if state == "closed":
+            self._breaker_states.pop(node_id, None)
+        else:
+            self._breaker_states[node_id] = state
         node = self.nodes.get(node_id)
         if node is not None:
             node.breaker_reason = reason[:MAX_REASON_CHARS]
             node.breaker_state = state
-        if is_open:
-            if node_id in self._breaker_open:
-                return False
-            self._breaker_open.add(node_id)
-        else:
-            if node_id not in self._breaker_open:
-                return False
-            self._breaker_open.discard(node_id)
-        if node is not None:
-            node.breaker_open = is_open
-            self._publish()
-        return True
+            if state != before:
+                self._publish()
+        return state != before
 
     def disconnect(self, node_id: str, stream: int) -> None:
         """The stream ended: the node's share counts as 0 at once, until it re-registers."""

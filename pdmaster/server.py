@@ -120,15 +120,12 @@ class MasterServer:
 
     # -- engine faults --------------------------------------------------------------------------
     def _on_breaker(self, node_id: str, breaker: CircuitBreaker) -> None:
-        """A breaker moved: an open one takes the node out of placement until its trial time."""
+        """A breaker moved: an open one takes the node out of placement until its trial time; a
+        half-open one offers one slot there (the trial)."""
         state = breaker.current
         is_open = state is BreakerState.OPEN
-        self.registry.set_breaker(
-            node_id,
-            is_open,
-            breaker.last_error if state is not BreakerState.CLOSED else "",
-            state.value,
-        )
+        reason = breaker.last_error if state is not BreakerState.CLOSED else ""
+        self.registry.set_breaker(node_id, state.value, reason)
         self.metrics.breaker_open.labels(node=node_id).set(0 if state is BreakerState.CLOSED else 1)
         self.metrics.observe_node(self.registry, node_id)
         if is_open:

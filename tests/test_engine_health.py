@@ -91,23 +91,28 @@ def test_breaker_open_removes_capacity_and_survives_a_reconnect() -> None:
     r = NodeRegistry()
     s1 = _reg(r, "d1")
     _reg(r, "d2")
-    assert r.set_breaker("d1", True)
-    assert not r.set_breaker("d1", True)
+    assert r.set_breaker("d1", "open", "refused")
+    assert not r.set_breaker("d1", "open")
     assert r.capacity == 4 and [n.node_id for n in r.live(DECODE)] == ["d2"]
+    assert r.snapshot()[0]["breaker_state"] == "open" and r.snapshot()[0]["engine_up"] is False
     r.disconnect("d1", s1)
     _reg(r, "d1")  # the agent reconnects: the master's own verdict on the engine holds
     assert r.capacity == 4
-    assert r.set_breaker("d1", False)
+    assert r.set_breaker("d1", "half_open")
+    assert r.capacity == 5  # one slot: room for exactly one lease, the trial
+    assert r.set_breaker("d1", "closed")
     assert r.capacity == 8
     # either signal alone keeps the node out
     s1b = r.nodes["d1"].stream
     r.report_engine("d1", s1b, True)
-    r.set_breaker("d1", True)
+    r.set_breaker("d1", "open")
     r.report_engine("d1", s1b, False)
     assert r.capacity == 4
-    r.set_breaker("d1", False)
+    r.set_breaker("d1", "closed")
     assert r.capacity == 8
-    assert r.set_breaker("unknown", True)  # remembered for when it registers
+    assert r.set_breaker("unknown", "open")  # remembered for when it registers
+    _reg(r, "unknown")
+    assert r.capacity == 8
 
 
 def test_check_health_against_a_real_server() -> None:
