@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
+import pytest
+from aiohttp import web
+
+from pdcoord.netutil import free_port
+from pdmaster.engine import EngineError, EnginePool, make_dispatch
 from pdmaster.engine.health import (
     BreakerPolicy,
     BreakerState,
@@ -157,3 +164,73 @@ def test_policy_is_checked() -> None:
         BreakerPolicy(failures=0)
     with pytest.raises(ValueError):
         BreakerPolicy(backoff=10, backoff_max=5)
+
+
+# -- dispatch names the node whose engine failed, as the breaker needs -----------------------------
+
+
+@dataclass(frozen=True)
+class _Node:
+    node_id: str
+    endpoint: str
+    bootstrap_port: int | None = 1
+
+
+def _serve(status: int) -> Callable[[], Awaitable[tuple[web.AppRunner, str]]]:
+    async def start() -> tuple[web.AppRunner, str]:
+        async def handler(_r: web.Request) -> web.Response:
+            return web.json_response({"kv_transfer_params": {"x": 1}}, status=status)
+
+        app = web.Application()
+        app.router.add_post("/generate", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+    return start
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+@pytest.mark.parametrize(
+    ("p_status", "d_status", "node", "engine_status", "counts"),
+    [
+        (200, 503, "d", 503, True),
+        (200, 400, "d", 400, False),
+        (500, 200, "p", 500, True),
+        (None, 200, "p", 0, True),  # prefill unreachable
+        (200, None, "d", 0, True),  # decode unreachable
+    ],
+)
+def test_dispatch_names_the_failed_node(
+    protocol: str, p_status: int | None, d_status: int | None, node: str, engine_status: int, counts: bool
+) -> None:
+    async def main() -> EngineError:
+        runners = []
+        urls = []
+        for status in (p_status, d_status):
+            if status is None:
+                urls.append(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+            else:
+                runner, url = await _serve(status)()
+                runners.append(runner)
+                urls.append(url)
+        pool = EnginePool(first_byte_timeout_s=5)
+        try:
+            dispatch = make_dispatch(protocol, pool)
+            with pytest.raises(EngineError) as info:
+                answer = await dispatch.open(
+                    "/generate", {"text": "hi"}, _Node("p", urls[0]), _Node("d", urls[1]), {}
+                )
+                await answer.read()  # SGLang: P's failure can arrive after D's head
+                await answer.close()
+            return info.value
+        finally:
+            await pool.close()
+            for r in runners:
+                await r.cleanup()
+
+    exc = asyncio.run(main())
+    assert exc.node == node
+    assert exc.engine_status == engine_status
+    assert counts_as_failure(exc.kind, exc.engine_status) is counts

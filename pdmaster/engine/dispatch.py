@@ -95,6 +95,7 @@ def _failure(ex: Exchange, who: str, node: str | None = None) -> EngineError | N
             status=err.status,
             kind=err.kind,
             body=err.body,
+            engine_status=err.engine_status,
             node=err.node or node,
         )
     if ex.status == 200:
