@@ -176,9 +176,10 @@ class _Node:
     bootstrap_port: int | None = 1
 
 
-def _serve(status: int) -> Callable[[], Awaitable[tuple[web.AppRunner, str]]]:
+def _serve(status: int, delay: float = 0.0) -> Callable[[], Awaitable[tuple[web.AppRunner, str]]]:
     async def start() -> tuple[web.AppRunner, str]:
         async def handler(_r: web.Request) -> web.Response:
+            await asyncio.sleep(delay)
             return web.json_response({"kv_transfer_params": {"x": 1}}, status=status)
 
         app = web.Application()
@@ -208,11 +209,12 @@ def test_dispatch_names_the_failed_node(
     async def main() -> EngineError:
         runners = []
         urls = []
-        for status in (p_status, d_status):
+        # D answers a moment later, as it would after the KV transfer from P
+        for status, delay in ((p_status, 0.0), (d_status, 0.2)):
             if status is None:
                 urls.append(f"http://127.0.0.1:{free_port()}")  # nothing listens there
             else:
-                runner, url = await _serve(status)()
+                runner, url = await _serve(status, delay)()
                 runners.append(runner)
                 urls.append(url)
         pool = EnginePool(first_byte_timeout_s=5)
