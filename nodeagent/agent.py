@@ -20,7 +20,7 @@ import grpc
 import grpc.aio
 from aiohttp import web
 
-from nodeagent.probe import LoadProbe
+from nodeagent.probe import EngineHealth, LoadProbe, check_health
 from nodeagent.slicing import SharePolicy, Slicer
 from pdcoord import __version__
 from pdcoord.config import EtcdSettings
@@ -68,6 +68,12 @@ class AgentConfig:
     # Report (and so collect Acks) this often while a master waits for slots others still hold.
     handover_poll: float = 0.1
     grpc_tls: ClientTLS | None = None  # None: plaintext gRPC to the masters
+    # Engine liveness check (GET <endpoint>/health): off with health_check=False.
+    health_check: bool = True
+    health_interval: float = 0.5
+    health_timeout: float = 3.0  # SGLang's /health takes at least 1 s
+    health_failures: int = 3
+    health_successes: int = 2
 
 
 @dataclass
@@ -99,6 +105,7 @@ class NodeAgent:
         self.registration: Registration | None = None
         self.incarnation = time.time_ns()
         self.load = EngineLoad()
+        self.engine = EngineHealth(cfg.health_failures, cfg.health_successes)
         self.seq = 0
         self._kick = asyncio.Event()
         self._stopping = False
@@ -224,6 +231,8 @@ class NodeAgent:
             start_args=self.cfg.start_args,
             agent_version=__version__,
             incarnation=self.incarnation,
+            engine_down=not self.engine.up,
+            engine_reason=self.engine.reason,
         )
         grant = self._grant(mid)
         if grant is not None:
@@ -235,6 +244,8 @@ class NodeAgent:
         rep = pb.Report(
             load=self.load.to_pb(),
             seq=self.seq,
+            engine_down=not self.engine.up,
+            engine_reason=self.engine.reason,
         )
         grant = self._grant(mid)
         if grant is not None:
@@ -384,6 +395,23 @@ class NodeAgent:
             # Often enough that a crashed master's slots move on within about a second (strict mode).
             await asyncio.sleep(min(0.25, self.cfg.report_interval / 2))
 
+    async def _health_loop(self, session: aiohttp.ClientSession) -> None:
+        """Check the engine's liveness; report to every master at once when the verdict flips. The
+        streams and the etcd registration stay up while the engine is down: the masters then give
+        the node no new leases, and take it back as soon as it answers again."""
+        url = self.cfg.endpoint.rstrip("/") + "/health"
+        while True:
+            started = time.monotonic()
+            error = await check_health(url, session, self.cfg.health_timeout)
+            if self.engine.observe(not error, error):
+                if self.engine.up:
+                    log.info("engine %s answers again: reporting it up", self.cfg.endpoint)
+                else:
+                    log.warning("engine %s down: %s", self.cfg.endpoint, self.engine.reason)
+                for link in self.links.values():
+                    link.send_now.set()
+            await asyncio.sleep(max(0.0, self.cfg.health_interval - (time.monotonic() - started)))
+
     # -- health -------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         return {
@@ -404,6 +432,7 @@ class NodeAgent:
                 }
                 for mid, link in sorted(self.links.items())
             },
+            "engine": {"check": self.cfg.health_check, **self.engine.as_json()},
             "load": {
                 "running": self.load.running,
                 "waiting": self.load.waiting,
@@ -441,10 +470,15 @@ class NodeAgent:
         self._tasks.append(asyncio.create_task(self._persist_loop(), name="persist"))
         self._tasks.append(asyncio.create_task(self._watch_masters(), name="watch-masters"))
         self._tasks.append(asyncio.create_task(self._control_loop(), name="control"))
-        if self.cfg.metrics_url:
+        if self.cfg.metrics_url or self.cfg.health_check:
             self._http = aiohttp.ClientSession()
+        if self.cfg.metrics_url:
+            assert self._http is not None
             probe = LoadProbe(self.cfg.metrics_url, self._http)
             self._tasks.append(asyncio.create_task(self._probe_loop(probe), name="probe"))
+        if self.cfg.health_check:
+            assert self._http is not None
+            self._tasks.append(asyncio.create_task(self._health_loop(self._http), name="engine-health"))
         self.ready.set()
         log.info(
             "agent %s (%s, capacity %d, %s) registered in cluster %s",

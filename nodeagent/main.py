@@ -72,6 +72,37 @@ def build_parser() -> EnvArgumentParser:
     )
     g.add_argument("--metrics-url", default=None, help="engine Prometheus URL (default: <endpoint>/metrics)")
     g.add_argument("--no-load-probe", action="store_true", help="do not scrape the engine's /metrics")
+    g.add_argument(
+        "--health-interval",
+        type=positive_float,
+        default=0.5,
+        help="seconds between liveness checks of the engine (GET <endpoint>/health)",
+    )
+    g.add_argument(
+        "--health-timeout",
+        type=positive_float,
+        default=3.0,
+        help="seconds a liveness check may take: SGLang's /health runs a one-token generation and "
+        "answers after at least 1 s (20 s before a 503 when its scheduler hangs); a refused "
+        "connection fails at once",
+    )
+    g.add_argument(
+        "--health-failures",
+        type=positive_int,
+        default=3,
+        help="failed liveness checks in a row that mark the engine down (no new leases on this node)",
+    )
+    g.add_argument(
+        "--health-successes",
+        type=positive_int,
+        default=2,
+        help="passed liveness checks in a row that mark a down engine up again",
+    )
+    g.add_argument(
+        "--no-health-check",
+        action="store_true",
+        help="do not check the engine's liveness (it then always counts as up)",
+    )
     g = p.add_argument_group("protocol")
     g.add_argument("--report-interval", type=positive_float, default=1.0, help="seconds between reports")
     g.add_argument(
@@ -183,6 +214,11 @@ async def _run(args: argparse.Namespace) -> int:
         metrics_url=None
         if args.no_load_probe
         else (args.metrics_url or args.endpoint.rstrip("/") + "/metrics"),
+        health_check=not args.no_health_check,
+        health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        health_failures=args.health_failures,
+        health_successes=args.health_successes,
         health_host=args.health_host,
         health_port=args.health_port or None,
         send_grant=not args.no_grant,

@@ -109,3 +109,63 @@ async def fetch_max_running_requests(
             f"(got {value!r}); pass --running-max-req-size"
         )
     return value
+
+
+class EngineHealth:
+    """The agent's verdict on its engine's liveness (pure): ``failures`` failed checks in a row mark it
+    down, ``successes`` passed checks in a row mark it up again. It starts up (not yet disproved)."""
+
+    def __init__(self, failures: int = 3, successes: int = 2) -> None:
+        if failures < 1 or successes < 1:
+            raise ValueError("health thresholds must be at least 1")
+        self.failures = failures
+        self.successes = successes
+        self.up = True
+        self.reason = ""  # the last failed check's error, kept while down
+        self.fail_streak = 0
+        self.ok_streak = 0
+        self.checks = 0
+
+    def observe(self, ok: bool, error: str = "") -> bool:
+        """Record one check; True when the verdict flipped."""
+        self.checks += 1
+        if ok:
+            self.ok_streak += 1
+            self.fail_streak = 0
+            if not self.up and self.ok_streak >= self.successes:
+                self.up = True
+                self.reason = ""
+                return True
+            return False
+        self.fail_streak += 1
+        self.ok_streak = 0
+        if self.up and self.fail_streak >= self.failures:
+            self.up = False
+            self.reason = error
+            return True
+        if not self.up:
+            self.reason = error
+        return False
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "up": self.up,
+            "reason": self.reason,
+            "consecutive_failures": self.fail_streak,
+            "consecutive_successes": self.ok_streak,
+            "checks": self.checks,
+        }
+
+
+async def check_health(url: str, session: aiohttp.ClientSession, timeout: float = 1.0) -> str:
+    """One liveness check (``GET url``): "" when the engine answered 200, otherwise what went wrong."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            await resp.read()
+            if resp.status != 200:
+                return f"GET {url}: HTTP {resp.status}"
+    except TimeoutError:
+        return f"GET {url}: no answer within {timeout:g} s"
+    except aiohttp.ClientError as exc:
+        return f"GET {url}: {exc or type(exc).__name__}"
+    return ""

@@ -9,6 +9,7 @@ from pdcoord.config import EtcdSettings
 from pdcoord.tls import ServerTLS, server_tls_from_args
 from pdmaster.admission import AdmissionPolicy
 from pdmaster.admission_controller import policy_from_args
+from pdmaster.engine.health import BreakerPolicy
 from pdmaster.validation import Limits
 
 __all__ = ["ConfigError", "MasterConfig"]
@@ -52,10 +53,18 @@ class MasterConfig:
     prefill_selection: str = "cache-aware"
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     event_loop: str = "auto"
+    # engine faults
+    breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
+    max_retries: int = 1
+    engine_connect_timeout: float = 5.0
+    engine_first_byte_timeout: float = 300.0
+    engine_idle_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if self.admin_host is not None and self.admin_port is None:
             raise ConfigError("--admin-host needs --admin-port")
+        if self.breaker.backoff > self.breaker.backoff_max:
+            raise ConfigError("--breaker-backoff must not exceed --breaker-backoff-max")
 
     @property
     def separate_admin(self) -> bool:
@@ -94,4 +103,19 @@ class MasterConfig:
             prefill_selection=args.prefill_selection,
             admission=policy_from_args(args),
             event_loop=args.event_loop,
+            breaker=_breaker(args),
+            max_retries=args.max_retries,
+            engine_connect_timeout=args.engine_connect_timeout,
+            engine_first_byte_timeout=args.engine_first_byte_timeout,
+            engine_idle_timeout=args.engine_idle_timeout,
         )
+
+
+def _breaker(args: argparse.Namespace) -> BreakerPolicy:
+    try:
+        return BreakerPolicy(args.breaker_failures, args.breaker_backoff, args.breaker_backoff_max)
+    except ValueError:
+        raise ConfigError(
+            f"--breaker-backoff {args.breaker_backoff:g} must not exceed "
+            f"--breaker-backoff-max {args.breaker_backoff_max:g}"
+        ) from None

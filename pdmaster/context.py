@@ -37,6 +37,9 @@ class RequestContext:
     prefill: Node | None = None
     decode: Node | None = None
     headers: dict[str, str] = field(default_factory=dict)  # for the client's response
+    # Circuit-breaker permissions of the current attempt (node id -> token), settled once it ends.
+    permits: dict[str, int] = field(default_factory=dict)
+    retries: int = 0  # attempts made again on another P/D pair after a failure before the first byte
 
     def engine_headers(self) -> dict[str, str]:
         return {"X-Request-Id": self.engine_request_id, "Content-Type": "application/json"}

@@ -23,6 +23,8 @@ _ROLES = {pb.PREFILL: PREFILL, pb.DECODE: DECODE}
 
 # (active_slots, wanted_slots) this master holds/wants on a node, for the Ack.
 SlotsProvider = Callable[[str], tuple[int, int]]
+# (node_id, down): the agent's verdict on its engine flipped.
+EngineListener = Callable[[str, bool], None]
 
 
 def _no_slots(_node_id: str) -> tuple[int, int]:
@@ -39,7 +41,9 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         *,
         slots: SlotsProvider = _no_slots,
         max_reports_per_s: float = 50.0,
+        on_engine: EngineListener | None = None,
     ) -> None:
+        self.on_engine = on_engine
         self.master_id = master_id
         self.registry = registry
         self.metrics = metrics
@@ -102,6 +106,8 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                 agent_version=reg.agent_version,
                 incarnation=reg.incarnation,
                 grant=grant,
+                engine_down=reg.engine_down,
+                engine_reason=reg.engine_reason,
             )
         except ProtocolError as exc:
             await self._refuse(context, exc.code, exc.message)
@@ -116,6 +122,8 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
             node.epoch,
             " (legacy agent: full capacity)" if node.legacy else "",
         )
+        if node.engine_down:
+            log.warning("node %s registered with its engine down: %s", node_id, node.engine_reason or "?")
         self.metrics.observe_node(self.registry, node_id)
         try:
             yield self._ack(node_id, node.epoch, 0)
@@ -146,6 +154,17 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                         stream,
                         EngineLoad.from_pb(rep.load),
                     )
+                    if self.registry.report_engine(node_id, stream, rep.engine_down, rep.engine_reason):
+                        if rep.engine_down:
+                            log.warning(
+                                "node %s: engine down (agent): %s; no new leases there",
+                                node_id,
+                                rep.engine_reason or "no reason given",
+                            )
+                        else:
+                            log.info("node %s: engine up again (agent)", node_id)
+                        if self.on_engine is not None:
+                            self.on_engine(node_id, rep.engine_down)
                 except ProtocolError as exc:
                     await self._refuse(context, exc.code, exc.message)
                     return

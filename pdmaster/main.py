@@ -11,6 +11,7 @@ from pdcoord.config import (
     EnvArgumentParser,
     add_common_flags,
     add_etcd_flags,
+    non_negative_int,
     port,
     positive_float,
     positive_int,
@@ -138,6 +139,50 @@ def build_parser() -> EnvArgumentParser:
         choices=["auto", "uvloop", "asyncio"],
         default="auto",
         help="event loop implementation; auto = uvloop when installed (it cuts the proxy's CPU per request)",
+    )
+    g = p.add_argument_group("engine faults")
+    g.add_argument(
+        "--breaker-failures",
+        type=positive_int,
+        default=3,
+        help="failed exchanges in a row (refused/reset connection, timeout, 5xx before the first byte) "
+        "that open an engine's circuit breaker: its node then takes no new leases",
+    )
+    g.add_argument(
+        "--breaker-backoff",
+        type=positive_float,
+        default=1.0,
+        help="seconds an open breaker waits before one trial request; doubled after each failed trial",
+    )
+    g.add_argument(
+        "--breaker-backoff-max", type=positive_float, default=30.0, help="cap of the breaker's backoff"
+    )
+    g.add_argument(
+        "--max-retries",
+        type=non_negative_int,
+        default=1,
+        help="times a request whose prefill or decode failed before any byte reached the client is "
+        "tried again on another pair (response header X-Retries)",
+    )
+    g.add_argument(
+        "--engine-connect-timeout",
+        type=positive_float,
+        default=5.0,
+        help="seconds to open a connection to an engine",
+    )
+    g.add_argument(
+        "--engine-first-byte-timeout",
+        type=positive_float,
+        default=300.0,
+        help="seconds from sending a request until an engine's first response byte (a long prompt "
+        "prefills slowly); then 504",
+    )
+    g.add_argument(
+        "--engine-idle-timeout",
+        type=positive_float,
+        default=120.0,
+        help="longest gap between two chunks of an engine's response; a stalled stream ends with an "
+        "SSE error event (504 before the first byte)",
     )
     add_admission_flags(p)
     add_common_flags(p)

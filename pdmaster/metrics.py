@@ -34,6 +34,25 @@ class MasterMetrics:
         self.node_connected = Gauge(
             "pdcoord_node_connected", "1 while the node's agent stream is up", ["node"], registry=registry
         )
+        self.node_engine_up = Gauge(
+            "pdcoord_node_engine_up",
+            "1 while the node's engine counts as answering: its agent's liveness check passes and this "
+            "master's circuit breaker for it is not open (0: no new leases there)",
+            ["node", "role"],
+            registry=registry,
+        )
+        self.breaker_open = Gauge(
+            "pdcoord_engine_breaker_open",
+            "1 while this master's circuit breaker for the node's engine is open or half-open",
+            ["node"],
+            registry=registry,
+        )
+        self.engine_failures = Counter(
+            "pdcoord_engine_failures",
+            "Failed exchanges with a node's engine counted by the circuit breaker, by kind",
+            ["node", "kind"],
+            registry=registry,
+        )
         self.streams = Gauge("pdcoord_node_streams", "Live agent streams", registry=registry)
         self.stale_reports = Counter(
             "pdcoord_stale_reports",
@@ -64,6 +83,7 @@ class MasterMetrics:
         self.node_share.labels(node=node.node_id, role=node.role).set(node.effective_share)
         self.node_epoch.labels(node=node.node_id).set(node.epoch)
         self.node_connected.labels(node=node.node_id).set(1 if node.connected else 0)
+        self.node_engine_up.labels(node=node.node_id, role=node.role).set(1 if node.usable else 0)
         if reg.stale_total > self._stale_seen:
             self.stale_reports.inc(reg.stale_total - self._stale_seen)
             self._stale_seen = reg.stale_total

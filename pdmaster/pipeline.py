@@ -10,6 +10,11 @@ classify → admit → route → dispatch → relay.
 * dispatch: the request goes to P and D with the configured PD protocol (``engine``);
 * relay: D's answer goes back to the client (``relay``).
 
+Engine faults (DESIGN §7): route asks each engine's circuit breaker for permission (a half-open
+breaker lets exactly one trial through); dispatch tells the breakers how the exchange went. A P or D
+that failed before any byte reached the client is tried again on another pair, with a new lease that
+keeps the request's class, at most ``max_retries`` times and never on a node that already failed it.
+
 Parsing and HTTP errors are the API's (``api``): a stage that fails raises ``RequestFailed``.
 """
 
@@ -20,13 +25,14 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from aiohttp import web
 
 from pdmaster.admission_controller import AdmissionController, AdmissionRejected
 from pdmaster.context import RequestContext, RequestFailed
 from pdmaster.engine import Dispatch, EngineError, EnginePool, EngineResponse
+from pdmaster.engine.health import EngineBreakers, counts_as_failure
 from pdmaster.fanout import Part, split
 from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import RequestMetrics
@@ -36,6 +42,19 @@ from pdmaster.routing import Router
 __all__ = ["RequestPipeline"]
 
 log = logging.getLogger(__name__)
+
+# (node_id, kind) of an engine failure the breaker counted, for the metrics.
+FailureListener = Callable[[str, str], None]
+
+
+def _failure_label(exc: EngineError) -> str:
+    return "5xx" if exc.engine_status >= 500 else exc.kind
+
+
+def _retryable(exc: EngineError) -> bool:
+    """An engine failure another pair may not have: no connection, no answer in time, a connection
+    closed under the request, a 5xx, or a half-open breaker busy with its trial."""
+    return exc.node is not None and (exc.kind == "breaker" or counts_as_failure(exc.kind, exc.engine_status))
 
 
 class RequestPipeline:
@@ -47,12 +66,20 @@ class RequestPipeline:
         dispatch_factory: Callable[[EnginePool], Dispatch],
         lifecycle: Lifecycle,
         metrics: RequestMetrics,
+        breakers: EngineBreakers | None = None,
+        on_engine_failure: FailureListener | None = None,
+        max_retries: int = 0,
+        pool_factory: Callable[[], EnginePool] = EnginePool,
     ) -> None:
         self.router = router
         self.admission = admission
         self.dispatch_factory = dispatch_factory
         self.lifecycle = lifecycle
         self.metrics = metrics
+        self.breakers = breakers if breakers is not None else EngineBreakers()
+        self.on_engine_failure = on_engine_failure
+        self.max_retries = max_retries
+        self.pool_factory = pool_factory
         self._pool: EnginePool | None = None
         self._dispatch: Dispatch | None = None
         # Ids: a random per-process prefix and a counter, unique across masters and restarts
@@ -64,7 +91,7 @@ class RequestPipeline:
         return f"{self._id_prefix}{next(self._ids):016x}"
 
     async def open(self) -> None:
-        self._pool = EnginePool()
+        self._pool = self.pool_factory()
         self._dispatch = self.dispatch_factory(self._pool)
 
     async def close(self) -> None:
@@ -74,26 +101,55 @@ class RequestPipeline:
     async def serve(self, ctx: RequestContext) -> web.StreamResponse:
         self.classify(ctx)
         self.lifecycle.enter()
+        failed: set[str] = set()  # nodes that failed this request: never tried again for it
         try:
             assert ctx.request_class is not None
-            try:
-                async with self.admission.acquire(
-                    slots=ctx.parsed.slots, request_class=ctx.request_class, session_id=ctx.session_id
-                ) as lease:
-                    ctx.lease = lease
-                    self.route(ctx)
-                    parts = self.split(ctx)
-                    if parts is not None:
-                        return await self.serve_parts(ctx, parts)
-                    answer = await self.dispatch(ctx)
-                    try:
-                        return await self.relay(ctx, answer)
-                    finally:
-                        await answer.close()
-            except AdmissionRejected as exc:
-                raise RequestFailed(
-                    exc.status, exc.message, code=exc.code, retry_after=exc.retry_after
-                ) from None
+            while True:
+                try:
+                    async with self.admission.acquire(
+                        slots=ctx.parsed.slots, request_class=ctx.request_class, session_id=ctx.session_id
+                    ) as lease:
+                        ctx.lease = lease
+                        if lease.node in failed:
+                            # admission has not yet heard that the node is unusable
+                            raise RequestFailed(
+                                503, f"decode {lease.node} failed this request already", retry_after=1,
+                                type_="upstream_error", code="upstream_failed",
+                            )  # fmt: skip
+                        parts: list[Part] | None = None
+                        try:
+                            self.route(ctx, failed)
+                            parts = self.split(ctx)
+                            answers = (
+                                await self.dispatch_parts(ctx, parts)
+                                if parts is not None
+                                else [await self.dispatch(ctx)]
+                            )
+                        except EngineError as exc:
+                            if ctx.retries < self.max_retries and _retryable(exc):
+                                assert exc.node is not None
+                                failed.add(exc.node)
+                                ctx.retries += 1
+                                log.info("request %s: retrying on another pair: %s", ctx.request_id, exc)
+                                continue  # leaves the async with: this lease is released first
+                            raise RequestFailed(
+                                exc.status, exc.message, type_="upstream_error", code="upstream_failed",
+                                retry_after=1 if exc.status == 503 else None,
+                            ) from None  # fmt: skip
+                        finally:
+                            self._settle(ctx, None)
+                        ctx.headers["X-Retries"] = str(ctx.retries)
+                        try:
+                            if parts is not None:
+                                return await self.relay_parts(ctx, parts, answers)
+                            return await self.relay(ctx, answers[0])
+                        finally:
+                            for answer in answers:
+                                await answer.close()
+                except AdmissionRejected as exc:
+                    raise RequestFailed(
+                        exc.status, exc.message, code=exc.code, retry_after=exc.retry_after
+                    ) from None
         finally:
             self.lifecycle.leave()
             ctx.metrics.duration.observe(time.perf_counter() - ctx.arrived)
@@ -107,13 +163,26 @@ class RequestPipeline:
         ctx.request_class = self.admission.classify(ctx.session_id, ctx.estimate.hit_ratio)
         self.metrics.classified(ctx.request_class.name.lower())
 
-    def route(self, ctx: RequestContext) -> None:
+    def route(self, ctx: RequestContext, exclude: Collection[str] = ()) -> None:
+        """Choose P (never one in ``exclude``) and D; take a permission from each one's breaker
+        (EngineError ``breaker`` when a half-open breaker's one trial is already in flight)."""
         assert ctx.lease is not None and ctx.estimate is not None and ctx.request_class is not None
         decode = self.router.decode(ctx.lease.node)
-        prefill = self.router.prefill(ctx.estimate)
+        prefill = self.router.prefill(ctx.estimate, exclude)
         if decode is None or prefill is None:
             what = "prefill" if prefill is None else "decode"
             raise RequestFailed(503, f"no {what} node available", retry_after=1)
+        for node in (prefill, decode):
+            token = self.breakers.allow(node.node_id)
+            if token is None:
+                self._settle(ctx, None)
+                raise EngineError(
+                    f"{node.role} {node.node_id}: its engine failed recently and is being probed",
+                    status=503,
+                    kind="breaker",
+                    node=node.node_id,
+                )
+            ctx.permits[node.node_id] = token
         ctx.prefill, ctx.decode = prefill, decode
         ctx.headers = {
             "X-Request-Id": ctx.request_id,
@@ -124,6 +193,7 @@ class RequestPipeline:
         }
 
     async def dispatch(self, ctx: RequestContext) -> EngineResponse:
+        """D's 200 answer; EngineError otherwise. Both engines' breakers hear the outcome."""
         assert self._dispatch is not None and ctx.prefill is not None and ctx.decode is not None
         prefill = ctx.prefill
         # A fresh id per dispatch: two clients reusing an X-Request-Id must not collide inside an
@@ -131,7 +201,7 @@ class RequestPipeline:
         ctx.engine_request_id = self.new_id()
         self.router.routed(prefill, ctx.hashes)
         try:
-            return await self._dispatch.open(
+            answer = await self._dispatch.open(
                 ctx.endpoint, ctx.parsed.body, prefill, ctx.decode, ctx.engine_headers(), ctx.raw
             )
         except EngineError as exc:
@@ -143,11 +213,30 @@ class RequestPipeline:
                 ctx.decode.node_id,
                 exc.message,
             )
-            raise RequestFailed(
-                exc.status, exc.message, type_="upstream_error", code="upstream_failed"
-            ) from None
+            if exc.node is not None and counts_as_failure(exc.kind, exc.engine_status):
+                self._engine_failed(exc.node, exc, ctx.permits.pop(exc.node, None))
+            raise
         finally:
             self.router.prefill_done(prefill)
+        self._settle(ctx, True)
+        return answer
+
+    # -- engine health ------------------------------------------------------------------------------
+    def _settle(self, ctx: RequestContext, ok: bool | None) -> None:
+        """Record ``ok`` for every permission of the attempt still open."""
+        if ctx.permits:
+            for node_id, token in ctx.permits.items():
+                self.breakers.record(node_id, token, ok)
+            ctx.permits.clear()
+
+    def _engine_failed(self, node_id: str, exc: EngineError, token: int | None) -> None:
+        """Count a failure of ``node_id``'s engine: with the attempt's permission, or (a failure after
+        the answer began, such as a stalled stream) against the breaker's current state."""
+        if token is None:
+            token = self.breakers.get(node_id).generation
+        self.breakers.record(node_id, token, False, exc.message)
+        if self.on_engine_failure is not None:
+            self.on_engine_failure(node_id, _failure_label(exc))
 
     # -- requests the engines take in parts (n > 1 on SGLang, batches; see fanout) -------------------
     def split(self, ctx: RequestContext) -> list[Part] | None:
@@ -157,7 +246,9 @@ class RequestPipeline:
         assert self._dispatch is not None
         return split(parsed, split_samples=self._dispatch.split_samples)
 
-    async def serve_parts(self, ctx: RequestContext, parts: list[Part]) -> web.StreamResponse:
+    async def dispatch_parts(self, ctx: RequestContext, parts: list[Part]) -> list[EngineResponse]:
+        """Every part's 200 answer, all from the request's P and D; EngineError (the first failure,
+        which the engines' breakers hear) after closing the parts that did answer."""
         assert self._dispatch is not None and ctx.prefill is not None and ctx.decode is not None
         prefill, decode, dispatch = ctx.prefill, ctx.decode, self._dispatch
         self.router.routed(prefill, ctx.hashes)
@@ -171,44 +262,59 @@ class RequestPipeline:
         finally:
             self.router.prefill_done(prefill)
         answers = [r for r in results if isinstance(r, EngineResponse)]
-        try:
-            failure = next((r for r in results if isinstance(r, BaseException)), None)
-            if failure is not None:
-                if not isinstance(failure, EngineError):
-                    raise failure
-                log.info("request %s: a part failed: %s", ctx.request_id, failure.message)
-                raise RequestFailed(
-                    failure.status, failure.message, type_="upstream_error", code="upstream_failed"
-                )
-            if ctx.parsed.stream:
-                return await relay_parts_stream(
-                    ctx.request, ctx.parsed.kind, parts, answers, ctx.headers, ctx.metrics, ctx.arrived,
-                    lambda: self.admission.observe_output(ctx.session_id),
-                )  # fmt: skip
-            return await relay_parts_body(
-                ctx.parsed.kind, parts, answers, ctx.headers, ctx.metrics, ctx.arrived,
-                lambda: self.admission.observe_output(ctx.session_id),
-            )  # fmt: skip
-        except (EngineError, OSError) as exc:
-            raise RequestFailed(
-                502, f"decode {decode.node_id} failed: {exc}", type_="upstream_error"
-            ) from None
-        finally:
-            for a in answers:
-                await a.close()
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is None:
+            self._settle(ctx, True)
+            return answers
+        for answer in answers:
+            await answer.close()
+        if isinstance(failure, EngineError):
+            log.info("request %s: a part failed: %s", ctx.request_id, failure.message)
+            if failure.node is not None and counts_as_failure(failure.kind, failure.engine_status):
+                self._engine_failed(failure.node, failure, ctx.permits.pop(failure.node, None))
+        raise failure
 
-    async def relay(self, ctx: RequestContext, answer: EngineResponse) -> web.StreamResponse:
+    async def relay_parts(
+        self, ctx: RequestContext, parts: list[Part], answers: list[EngineResponse]
+    ) -> web.StreamResponse:
+        assert ctx.decode is not None
+
         def first_output() -> None:
             self.admission.observe_output(ctx.session_id)
 
         try:
             if ctx.parsed.stream:
-                return await relay_stream(
+                return await relay_parts_stream(
+                    ctx.request, ctx.parsed.kind, parts, answers, ctx.headers, ctx.metrics, ctx.arrived,
+                    first_output,
+                )  # fmt: skip
+            return await relay_parts_body(
+                ctx.parsed.kind, parts, answers, ctx.headers, ctx.metrics, ctx.arrived, first_output
+            )
+        except (EngineError, OSError) as exc:
+            why = f"decode {ctx.decode.node_id} failed: {exc}"
+            raise RequestFailed(502, why, type_="upstream_error") from None
+
+    async def relay(self, ctx: RequestContext, answer: EngineResponse) -> web.StreamResponse:
+        def first_output() -> None:
+            self.admission.observe_output(ctx.session_id)
+
+        assert ctx.decode is not None
+        try:
+            if ctx.parsed.stream:
+                resp = await relay_stream(
                     ctx.request, answer, ctx.headers, ctx.metrics, ctx.arrived, first_output
                 )
+                error = answer.error  # a stalled stream ended with an SSE error event
+                if error is not None and error.kind == "timeout":
+                    self._engine_failed(ctx.decode.node_id, error, None)
+                return resp
             return await relay_body(answer, ctx.headers, ctx.metrics, ctx.arrived, first_output)
         except (EngineError, OSError) as exc:
-            assert ctx.decode is not None
+            status = 502
+            if isinstance(exc, EngineError) and exc.kind == "timeout":
+                self._engine_failed(ctx.decode.node_id, exc, None)  # a stalled answer
+                status = exc.status
             raise RequestFailed(
-                502, f"decode {ctx.decode.node_id} failed: {exc}", type_="upstream_error"
+                status, f"decode {ctx.decode.node_id} failed: {exc}", type_="upstream_error"
             ) from None

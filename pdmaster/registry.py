@@ -18,6 +18,7 @@ PREFILL = "prefill"
 DECODE = "decode"
 MAX_ENDPOINT_CHARS = 2048
 MAX_AGENT_VERSION_CHARS = 128
+MAX_REASON_CHARS = 512
 
 
 class ProtocolError(Exception):
@@ -54,11 +55,34 @@ class Node:
     stale_reports: int = 0
     # SGLang's KV bootstrap port (prefill), parsed once from start_args at registration.
     bootstrap_port: int | None = None
+    # Engine health, from two signals (DESIGN §7 "Engine faults"): the agent's liveness check
+    # (reported over the stream; an older agent never reports it, so it counts as healthy) and this
+    # master's circuit breaker over its own dispatches to the engine.
+    engine_down: bool = False
+    engine_reason: str = ""
+    # closed, open or half_open. Open: no share. Half-open: at most one slot, so admission places
+    # at most one lease there, which is the breaker's one trial request.
+    breaker_state: str = "closed"
+    breaker_reason: str = ""
+
+    @property
+    def breaker_open(self) -> bool:
+        return self.breaker_state == "open"
+
+    @property
+    def usable(self) -> bool:
+        """The engine answers as far as this master knows: neither signal says it is down."""
+        return not self.engine_down and self.breaker_state != "open"
 
     @property
     def effective_share(self) -> int:
-        """What this master may use on the node now: nothing without a live stream."""
-        return self.share if self.connected else 0
+        """What this master may use on the node now: nothing without a live stream or a usable engine."""
+        if not self.connected or self.engine_down:
+            return 0
+        state = self.breaker_state
+        if state == "closed":
+            return self.share
+        return min(self.share, 1) if state == "half_open" else 0
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -76,6 +100,12 @@ class Node:
             "stale_reports": self.stale_reports,
             "bootstrap_port": self.bootstrap_port,
             "load": self.load.as_json(),
+            "engine_up": self.usable,
+            "engine_down": self.engine_down,
+            "engine_reason": self.engine_reason,
+            "breaker_open": self.breaker_open,
+            "breaker_state": self.breaker_state,
+            "breaker_reason": self.breaker_reason,
         }
 
 
@@ -119,6 +149,9 @@ class NodeRegistry:
         self._connected = 0
         self._capacity = 0
         self._live: dict[str, list[Node]] = {}
+        # State of this master's circuit breaker per node id when not closed; kept across
+        # re-registrations (it is about the engine, not the stream).
+        self._breaker_states: dict[str, str] = {}
 
     # -- subscription -------------------------------------------------------------------------
     def subscribe(self, listener: SharesListener) -> None:
@@ -177,6 +210,8 @@ class NodeRegistry:
         agent_version: str = "",
         incarnation: int = 0,
         grant: tuple[int, int] | None = None,
+        engine_down: bool = False,
+        engine_reason: str = "",
     ) -> tuple[Node, int]:
         """Admit a new stream's Register; returns the node and the stream token."""
         if not node_id or len(node_id) > 253:
@@ -236,6 +271,9 @@ class NodeRegistry:
             connected=True,
             stream=self._next_stream,
             bootstrap_port=bootstrap_port,
+            engine_down=engine_down,
+            engine_reason=engine_reason[:MAX_REASON_CHARS],
+            breaker_state=self._breaker_states.get(node_id, "closed"),
         )
         if grant is None:
             node.legacy = True
@@ -307,6 +345,34 @@ class NodeRegistry:
             )
         node.load = load
 
+    def report_engine(self, node_id: str, stream: int, down: bool, reason: str = "") -> bool:
+        """The agent's liveness verdict on its engine; True when it flipped (capacity then changes)."""
+        node = self._owned(node_id, stream)
+        node.engine_reason = reason[:MAX_REASON_CHARS]
+        if node.engine_down == down:
+            return False
+        node.engine_down = down
+        self._publish()
+        return True
+
+    def set_breaker(self, node_id: str, state: str, reason: str = "") -> bool:
+        """This master's circuit breaker for the node's engine moved to ``state`` (closed, open,
+        half_open); ``reason`` is shown in the node's JSON. True when the state changed."""
+        if state not in ("closed", "open", "half_open"):
+            raise ValueError(f"unknown breaker state {state!r}")
+        before = self._breaker_states.get(node_id, "closed")
+        if state == "closed":
+            self._breaker_states.pop(node_id, None)
+        else:
+            self._breaker_states[node_id] = state
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.breaker_reason = reason[:MAX_REASON_CHARS]
+            node.breaker_state = state
+            if state != before:
+                self._publish()
+        return state != before
+
     def disconnect(self, node_id: str, stream: int) -> None:
         """The stream ended: the node's share counts as 0 at once, until it re-registers."""
         node = self.nodes.get(node_id)
@@ -324,7 +390,8 @@ class NodeRegistry:
 
     # -- views --------------------------------------------------------------------------------
     def live(self, role: str) -> list[Node]:
-        """Nodes of ``role`` holding a share over a live stream, sorted by id (cached, do not mutate)."""
+        """Nodes of ``role`` holding a share over a live stream with a usable engine, sorted by id
+        (cached, do not mutate)."""
         return self._live.get(role, [])
 
     def snapshot(self) -> list[dict[str, object]]:

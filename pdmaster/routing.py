@@ -11,7 +11,7 @@ the index, so it can no longer make a request look like a probable cache hit.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, Protocol, TypeVar
 
@@ -141,8 +141,11 @@ class Router:
         hashes = self.index.hashes(prompt)
         return hashes, self.index.estimate(hashes)
 
-    def prefill(self, estimate: PrefixEstimate[str]) -> Node | None:
+    def prefill(self, estimate: PrefixEstimate[str], exclude: Collection[str] = ()) -> Node | None:
+        """A live prefill node (its engine usable), never one in ``exclude`` (it failed this request)."""
         candidates = self.registry.live(PREFILL)  # sorted by id, cached by the registry
+        if exclude:
+            candidates = [n for n in candidates if n.node_id not in exclude]
         if not candidates:
             return None
         return self.policy.choose(candidates, estimate, self.prefill_in_flight)

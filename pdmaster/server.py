@@ -25,7 +25,8 @@ from pdmaster.admission_controller import AdmissionController
 from pdmaster.api import ControlRoutes, OpenAIRoutes, api_key_middleware, harden_aiohttp, load_api_keys
 from pdmaster.config import MasterConfig
 from pdmaster.coordination import CoordinationService
-from pdmaster.engine import make_dispatch
+from pdmaster.engine import EnginePool, make_dispatch
+from pdmaster.engine.health import BreakerState, CircuitBreaker, EngineBreakers
 from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import MasterMetrics, RequestMetrics
 from pdmaster.pipeline import RequestPipeline
@@ -82,7 +83,9 @@ class MasterServer:
             self.lifecycle,
             slots=self._slots,
             max_reports_per_s=cfg.max_reports_per_s,
+            on_engine=self._on_agent_engine,
         )
+        self.breakers = EngineBreakers(cfg.breaker, on_change=self._on_breaker)
         self.request_metrics = RequestMetrics(self.metrics_registry)
         self.pipeline = RequestPipeline(
             router=Router(self.registry, POLICIES[cfg.prefill_selection]()),
@@ -90,6 +93,14 @@ class MasterServer:
             dispatch_factory=lambda pool: make_dispatch(cfg.engine_protocol, pool),
             lifecycle=self.lifecycle,
             metrics=self.request_metrics,
+            breakers=self.breakers,
+            on_engine_failure=self._on_engine_failure,
+            max_retries=cfg.max_retries,
+            pool_factory=lambda: EnginePool(
+                connect_timeout_s=cfg.engine_connect_timeout,
+                first_byte_timeout_s=cfg.engine_first_byte_timeout,
+                idle_timeout_s=cfg.engine_idle_timeout,
+            ),
         )
         self.etcd = EtcdClient(cfg.etcd.endpoints, **cfg.etcd.options)
         self.registration: Registration | None = None
@@ -107,6 +118,37 @@ class MasterServer:
             nid: self.registry.nodes[nid].running_max_req_size for nid in shares if nid in self.registry.nodes
         }
         self.admission.set_shares(shares, caps)
+
+    # -- engine faults --------------------------------------------------------------------------
+    def _on_breaker(self, node_id: str, breaker: CircuitBreaker) -> None:
+        """A breaker moved: an open one takes the node out of placement until its trial time; a
+        half-open one offers one slot there (the trial)."""
+        state = breaker.current
+        is_open = state is BreakerState.OPEN
+        reason = breaker.last_error if state is not BreakerState.CLOSED else ""
+        self.registry.set_breaker(node_id, state.value, reason)
+        self.metrics.breaker_open.labels(node=node_id).set(0 if state is BreakerState.CLOSED else 1)
+        self.metrics.observe_node(self.registry, node_id)
+        if is_open:
+            log.warning(
+                "node %s: circuit breaker open for %.3g s after %s; no new leases there",
+                node_id,
+                breaker.backoff,
+                breaker.last_error or "failures",
+            )
+            asyncio.get_running_loop().call_later(
+                breaker.seconds_to_trial() + 0.001, self.breakers.refresh, node_id
+            )
+        else:
+            log.info("node %s: circuit breaker %s", node_id, state.value)
+
+    def _on_engine_failure(self, node_id: str, kind: str) -> None:
+        self.metrics.engine_failures.labels(node=node_id, kind=kind).inc()
+
+    def _on_agent_engine(self, node_id: str, down: bool) -> None:
+        if not down:
+            # The agent sees the engine answer again: that is the evidence a trial would give.
+            self.breakers.reset(node_id)
 
     def _slots(self, node_id: str) -> tuple[int, int]:
         # The queue can be served by any decode node: spread its demand over them, so agents that

@@ -218,9 +218,10 @@ class LocalCluster:
         **extra: Any,
     ) -> Agent:
         if endpoint is None:
-            # No engine behind this agent: nothing to probe, and without an engine's running count
+            # No engine behind this agent: nothing to probe or check, and without an engine's running count
             # strict handover could only free a departed master's slots after --orphan-timeout.
             extra.setdefault("no_load_probe", True)
+            extra.setdefault("no_health_check", True)  # nothing answers there: it would count as down
             extra.setdefault("handover", "fast")
         endpoint = endpoint or f"http://127.0.0.1:{free_port()}"
         argv = self._module("nodeagent") + [

@@ -25,7 +25,7 @@ class Grant(_message.Message):
     def __init__(self, capacity_share: _Optional[int] = ..., capacity_epoch: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "role", "endpoint", "running_max_req_size", "start_args", "agent_version", "incarnation", "grant")
+    __slots__ = ("node_id", "role", "endpoint", "running_max_req_size", "start_args", "agent_version", "incarnation", "grant", "engine_down", "engine_reason")
     class StartArgsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,8 @@ class Register(_message.Message):
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_DOWN_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_REASON_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: Role
     endpoint: str
@@ -49,7 +51,9 @@ class Register(_message.Message):
     agent_version: str
     incarnation: int
     grant: Grant
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., endpoint: _Optional[str] = ..., running_max_req_size: _Optional[int] = ..., start_args: _Optional[_Mapping[str, str]] = ..., agent_version: _Optional[str] = ..., incarnation: _Optional[int] = ..., grant: _Optional[_Union[Grant, _Mapping]] = ...) -> None: ...
+    engine_down: bool
+    engine_reason: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., endpoint: _Optional[str] = ..., running_max_req_size: _Optional[int] = ..., start_args: _Optional[_Mapping[str, str]] = ..., agent_version: _Optional[str] = ..., incarnation: _Optional[int] = ..., grant: _Optional[_Union[Grant, _Mapping]] = ..., engine_down: _Optional[bool] = ..., engine_reason: _Optional[str] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("running", "waiting", "kv_usage", "probe_ok")
@@ -64,14 +68,18 @@ class Load(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., probe_ok: _Optional[bool] = ...) -> None: ...
 
 class Report(_message.Message):
-    __slots__ = ("load", "grant", "seq")
+    __slots__ = ("load", "grant", "seq", "engine_down", "engine_reason")
     LOAD_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_DOWN_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_REASON_FIELD_NUMBER: _ClassVar[int]
     load: Load
     grant: Grant
     seq: int
-    def __init__(self, load: _Optional[_Union[Load, _Mapping]] = ..., grant: _Optional[_Union[Grant, _Mapping]] = ..., seq: _Optional[int] = ...) -> None: ...
+    engine_down: bool
+    engine_reason: str
+    def __init__(self, load: _Optional[_Union[Load, _Mapping]] = ..., grant: _Optional[_Union[Grant, _Mapping]] = ..., seq: _Optional[int] = ..., engine_down: _Optional[bool] = ..., engine_reason: _Optional[str] = ...) -> None: ...
 
 class Leaving(_message.Message):
     __slots__ = ("reason",)

@@ -75,17 +75,29 @@ class EngineResponse:
     def abort(self, error: EngineError) -> None:
         self._d.abort(error)
 
+    @property
+    def error(self) -> EngineError | None:
+        """How D's exchange failed once it ended (None: not ended, or ended well)."""
+        return self._d.error
+
     async def close(self) -> None:
         self._d.abort()  # a no-op once the body is complete
         if self._p is not None:
             self._p.abort()
 
 
-def _failure(ex: Exchange, who: str) -> EngineError | None:
+def _failure(ex: Exchange, who: str, node: str | None = None) -> EngineError | None:
     """What the client should see for an engine's answer, or None if it was a 200."""
     if ex.error is not None and not ex.status:
         err = ex.error
-        return EngineError(f"{who}: {err.message}", status=err.status, kind=err.kind, body=err.body)
+        return EngineError(
+            f"{who}: {err.message}",
+            status=err.status,
+            kind=err.kind,
+            body=err.body,
+            engine_status=err.engine_status,
+            node=err.node or node,
+        )
     if ex.status == 200:
         return None
     body = ex.body
@@ -95,10 +107,23 @@ def _failure(ex: Exchange, who: str) -> EngineError | None:
         status=status,
         kind="status",
         body=body,
+        engine_status=ex.status,
+        node=node,
     )
 
 
-async def _answer(ex: Exchange, who: str) -> None:
+async def _sent(pool: EnginePool, node: EngineNode, path: str, data: bytes, headers: Mapping[str, str],
+                *, discard: bool = False) -> Exchange:  # fmt: skip
+    """``pool.send`` to ``node``, its failure (no connection) named after the node."""
+    try:
+        return await pool.send(node.endpoint, path, data, headers, discard=discard)
+    except EngineError as exc:
+        if exc.node is None:
+            exc.node = node.node_id
+        raise
+
+
+async def _answer(ex: Exchange, who: str, node: str | None = None) -> None:
     """Wait for ``ex``'s head; raise EngineError unless it is a 200 (reading the error body)."""
     try:
         await ex.head()
@@ -106,7 +131,7 @@ async def _answer(ex: Exchange, who: str) -> None:
             await ex.wait()
     except EngineError:
         pass  # described by _failure
-    failure = _failure(ex, who)
+    failure = _failure(ex, who, node)
     if failure is not None:
         ex.abort()
         raise failure
@@ -179,23 +204,23 @@ class SGLangDispatch(Dispatch):
             )
         data = with_bootstrap(raw, body, origin(prefill.endpoint).host, port, random.getrandbits(63))
         # The same body goes to P and D at once; P's answer is dropped as it arrives.
-        p = await self.pool.send(prefill.endpoint, path, data, headers, discard=True)
+        p = await _sent(self.pool, prefill, path, data, headers, discard=True)
         try:
-            d = await self.pool.send(decode.endpoint, path, data, headers)
+            d = await _sent(self.pool, decode, path, data, headers)
         except BaseException:
             p.abort()
             raise
         who = f"prefill {prefill.node_id}"
 
         def prefill_done(ex: Exchange) -> None:
-            failure = _failure(ex, who)
+            failure = _failure(ex, who, prefill.node_id)
             if failure is not None and not d.status:
                 # D would wait for a KV transfer that never comes: stop waiting for its answer.
                 d.abort(failure)
 
         p.on_done(prefill_done)
         try:
-            await _answer(d, f"decode {decode.node_id}")
+            await _answer(d, f"decode {decode.node_id}", decode.node_id)
         except BaseException:
             p.abort()
             raise
@@ -238,9 +263,9 @@ class VLLMDispatch(Dispatch):
             p_body["sampling_params"] = {**p_body["sampling_params"], "max_new_tokens": 1, "n": 1}
         p_body["n"] = 1
         p_body["kv_transfer_params"] = dict(_KV_PREFILL)
-        p = await self.pool.send(prefill.endpoint, path, json.dumps(p_body).encode(), headers)
+        p = await _sent(self.pool, prefill, path, json.dumps(p_body).encode(), headers)
         try:
-            await _answer(p, f"prefill {prefill.node_id}")
+            await _answer(p, f"prefill {prefill.node_id}", prefill.node_id)
             answer_bytes = await p.read()
         except BaseException:
             p.abort()
@@ -251,12 +276,16 @@ class VLLMDispatch(Dispatch):
             answer = None
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(params, dict):
-            raise EngineError(f"prefill {prefill.node_id} returned no kv_transfer_params", kind="protocol")
+            raise EngineError(
+                f"prefill {prefill.node_id} returned no kv_transfer_params",
+                kind="protocol",
+                node=prefill.node_id,
+            )
         d_body = dict(body)
         d_body["kv_transfer_params"] = params
-        d = await self.pool.send(decode.endpoint, path, json.dumps(d_body).encode(), headers)
+        d = await _sent(self.pool, decode, path, json.dumps(d_body).encode(), headers)
         try:
-            await _answer(d, f"decode {decode.node_id}")
+            await _answer(d, f"decode {decode.node_id}", decode.node_id)
         except BaseException:
             d.abort()
             raise

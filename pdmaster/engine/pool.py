@@ -83,9 +83,13 @@ class Exchange:
     __slots__ = (
         "_body",
         "_conn",
+        "_deadline",
         "_done_cb",
+        "_got_bytes",
         "_head_fut",
+        "_last_bytes",
         "_mode",
+        "_sent_at",
         "_sink",
         "_timer",
         "_wake",
@@ -106,6 +110,11 @@ class Exchange:
         self._wake: asyncio.Future[None] | None = None
         self._done_cb: Callable[[Exchange], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        # Timeouts by phase (loop.time()): sent, last bytes received, the total cap (inf: none).
+        self._sent_at = 0.0
+        self._last_bytes = 0.0
+        self._deadline = float("inf")
+        self._got_bytes = False
         self.status = 0
         self.headers: dict[bytes, bytes] = {}
         self.content_type = ""
@@ -171,6 +180,7 @@ class Exchange:
         if not self.paused:
             return
         self.paused = False
+        self._last_bytes = asyncio.get_running_loop().time()  # the idle gap counts from here
         conn = self._conn
         if conn is not None and conn.transport is not None and not self.done:
             conn.transport.resume_reading()
@@ -247,6 +257,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.parser = ResponseParser()
+        self.loop = asyncio.get_running_loop()
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -257,6 +268,8 @@ class _Connection(asyncio.Protocol):
         if ex is None:  # bytes nobody asked for: the connection is not reusable
             self.close()
             return
+        ex._got_bytes = True
+        ex._last_bytes = self.loop.time()
         try:
             for event in self.parser.feed(data):
                 if event.__class__ is bytes:
@@ -294,21 +307,49 @@ class _Connection(asyncio.Protocol):
                 ex._finish(EngineError(f"{self._where()} closed the connection {when}{why}"))
 
     # -- use ----------------------------------------------------------------------------------------
-    def send(self, request: bytes, mode: int, timeout_s: float | None) -> Exchange:
+    def send(self, request: bytes, mode: int) -> Exchange:
         if self.transport is None or self.transport.is_closing() or self.exchange is not None:
             raise EngineError(f"{self._where()}: connection closed before the request was sent")
         ex = Exchange(self, mode)
         self.exchange = ex
         self.parser.start()
-        if timeout_s is not None:
-            ex._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, ex, timeout_s)
+        now = self.loop.time()
+        ex._sent_at = ex._last_bytes = now
+        if self.pool.timeout_s is not None:
+            ex._deadline = now + self.pool.timeout_s
+        self._arm(ex, now + self.pool.first_byte_timeout_s)
         self.transport.write(request)
         return ex
 
-    def _expire(self, ex: Exchange, timeout_s: float) -> None:
-        ex.abort(
-            EngineError(f"{self._where()} did not answer in {timeout_s:g} s", status=504, kind="timeout")
-        )
+    # -- timeouts by phase: one timer per exchange, re-armed lazily (never once per chunk) ----------
+    def _arm(self, ex: Exchange, when: float) -> None:
+        ex._timer = self.loop.call_at(min(when, ex._deadline), self._check, ex)
+
+    def _check(self, ex: Exchange) -> None:
+        ex._timer = None
+        if ex.done:
+            return
+        pool, now = self.pool, self.loop.time()
+        if now >= ex._deadline:
+            self._expire(ex, f"did not finish in {pool.timeout_s:g} s")
+        elif not ex._got_bytes:
+            due = ex._sent_at + pool.first_byte_timeout_s
+            if now >= due:
+                self._expire(ex, f"sent no response byte in {pool.first_byte_timeout_s:g} s")
+            else:
+                self._arm(ex, due)
+        elif ex.paused:
+            self._arm(ex, now + pool.idle_timeout_s)  # our client is slow, not the engine
+        else:
+            due = ex._last_bytes + pool.idle_timeout_s
+            if now >= due:
+                self._expire(ex, f"sent nothing for {pool.idle_timeout_s:g} s mid-response")
+            else:
+                self._arm(ex, due)
+
+    def _expire(self, ex: Exchange, what: str) -> None:
+        # Closing the connection is what cancels the request inside the engine.
+        ex.abort(EngineError(f"{self._where()} {what}", status=504, kind="timeout"))
 
     def close(self) -> None:
         self.closed = True
@@ -330,8 +371,21 @@ class _Connection(asyncio.Protocol):
 class EnginePool:
     """Keep-alive connections to the engines, by origin; unlimited in number (admission bounds them)."""
 
-    def __init__(self, *, connect_timeout_s: float = 5.0, timeout_s: float | None = 600.0) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float = 5.0,
+        first_byte_timeout_s: float = 300.0,
+        idle_timeout_s: float = 120.0,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Timeouts by phase: connecting; from the request written to the engine's first response
+        byte (a long prompt prefills slowly); the longest gap between two chunks of the response while
+        the client keeps up. ``timeout_s`` caps a whole exchange; off by default, because a long
+        generation that keeps streaming is healthy however long it runs."""
         self.connect_timeout_s = connect_timeout_s
+        self.first_byte_timeout_s = first_byte_timeout_s
+        self.idle_timeout_s = idle_timeout_s
         self.timeout_s = timeout_s
         self._idle: dict[tuple[str, int, bool], deque[_Connection]] = {}
         self._ssl: _ssl.SSLContext | None = None
@@ -354,7 +408,7 @@ class EnginePool:
         key = origin(endpoint)
         request = _request_bytes(key, path, body, headers)
         conn = self._idle_connection(key) or await self._connect(key)
-        return conn.send(request, _DISCARD if discard else _BUFFER, self.timeout_s)
+        return conn.send(request, _DISCARD if discard else _BUFFER)
 
     async def close(self) -> None:
         self._closed = True

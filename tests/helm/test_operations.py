@@ -37,10 +37,7 @@ KUBE_VERSION = "1.30.0"
 
 # Metrics the dashboard and the alerts use before any component exports them. Each entry says which
 # work adds it; remove it from here when it lands, and the scrape below then requires it.
-PENDING_METRICS = {
-    # per-node engine health on the master (1 = the node's engine answers, 0 = down): not yet exported
-    "pdcoord_node_engine_up",
-}
+PENDING_METRICS: set[str] = set()
 # Series Prometheus itself adds to every scrape target.
 PROMETHEUS_SYNTHETIC = {"up"}
 
@@ -163,7 +160,7 @@ def test_dashboard_parses_and_covers_what_operators_look_at() -> None:
     for topic in ("capacity", "share", "queue", "wait", "outcomes", "first token", "engine", "agent"):
         assert topic in titles, f"no panel about {topic}: {titles}"
     names = set().union(*(metric_names(q) for q in dashboard_queries()))
-    assert "pdcoord_node_engine_up" in names  # engine health, pending on the master (PENDING_METRICS)
+    assert "pdcoord_node_engine_up" in names  # engine health
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
 

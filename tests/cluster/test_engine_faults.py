@@ -1,0 +1,181 @@
+"""Engine faults end to end (DESIGN §7): a decode engine is SIGKILLed under light load while its agent
+stays up; the master stops placing work there, and takes the node back when the engine returns.
+
+Real processes on loopback: etcd, a master, agents and pdsim engines.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from pdcoord.dev.cluster import LocalCluster, http_json
+from pdcoord.dev.launcher import ProcessGroup
+from tests.cluster.cluster_helpers import cluster_load, summarize
+
+pytestmark = pytest.mark.cluster
+
+DECODE = {"d1": 4, "d2": 4}
+PREFILL = {"p1": 8}
+
+
+def _node(c: LocalCluster, node: str) -> dict[str, Any]:
+    nodes = c.masters["m1"].admission()["nodes"]
+    found: dict[str, Any] = next(n for n in nodes if n["node_id"] == node)
+    return found
+
+
+def _engine_up_gauge(c: LocalCluster, node: str) -> float | None:
+    with urllib.request.urlopen(c.masters["m1"].url + "/metrics", timeout=3) as r:
+        text = r.read().decode()
+    m = re.search(r'^pdcoord_node_engine_up\{[^}]*node="' + node + r'"[^}]*\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def _agent_status(c: LocalCluster, node: str) -> dict[str, Any]:
+    argv = c.agents[node].proc.argv
+    port = argv[argv.index("--health-port") + 1]
+    status: dict[str, Any] = http_json(f"http://127.0.0.1:{port}/status")
+    return status
+
+
+def test_killed_decode_engine_leaves_capacity_and_comes_back(etcd, proc_group: ProcessGroup) -> None:  # type: ignore[no-untyped-def]
+    c = LocalCluster(proc_group, etcd.endpoint, f"faults-{time.monotonic_ns()}")
+    c.start_master("m1", model="sim")
+    for name, cap in PREFILL.items():
+        c.start_node(name, "prefill", cap, model="sim")
+    for name, cap in DECODE.items():
+        c.start_node(name, "decode", cap, model="sim")
+    caps = {**PREFILL, **DECODE}
+    c.wait_for(lambda: c.full_capacity_held(["m1"], caps), timeout=30)
+    assert _node(c, "d2")["engine_up"] is True
+    assert _engine_up_gauge(c, "d2") == 1.0
+
+    load = cluster_load(lambda: [("m1", c.masters["m1"].url)], users=3, request_timeout_s=30).start()
+    try:
+        load.wait_for_results(10, timeout=30)
+        c.engines["d2"].proc.kill()  # the engine dies; its agent stays up
+
+        def gone() -> bool:
+            n = _node(c, "d2")
+            return bool(n["engine_down"]) and n["effective_share"] == 0
+
+        c.wait_for(gone, timeout=30, interval=0.1)
+        t_gone = time.monotonic()
+        assert c.masters["m1"].admission()["capacity"] == DECODE["d1"]
+        assert _node(c, "d2")["engine_reason"]  # why: the agent's last error
+        assert _engine_up_gauge(c, "d2") == 0.0
+        agent = _agent_status(c, "d2")
+        assert agent["engine"]["up"] is False and agent["engine"]["reason"]
+        assert agent["masters"]["m1"]["connected"] is True  # the stream stays up
+
+        n_before = len(load.snapshot())
+        load.wait_for_results(n_before + 15, timeout=60)  # requests keep flowing on d1
+
+        c.engines["d2"].proc.start()  # the same argv: the same port and bootstrap port
+        c.wait_for(lambda: _node(c, "d2")["effective_share"] == DECODE["d2"], timeout=30, interval=0.1)
+        assert _node(c, "d2")["engine_up"] is True
+        assert c.masters["m1"].admission()["capacity"] == sum(DECODE.values())
+        assert _engine_up_gauge(c, "d2") == 1.0
+        n_back = len(load.snapshot())
+        load.wait_for_results(n_back + 10, timeout=60)
+    finally:
+        results = load.stop()
+
+    after = [r for r in results if r.started >= t_gone]
+    assert after, "no request ran after the node left"
+    bad = [r for r in after if r.status not in (200, 429) or (r.status == 200 and r.error)]
+    assert not bad, f"after the node left, requests must end in 200 or 429: {summarize(bad)}"
+    assert any(r.ok for r in after)
+
+
+def _post(url: str, timeout: float = 30) -> tuple[int, str]:
+    """(status, X-Retries) of one small completion."""
+    data = b'{"model": "sim", "prompt": "hello there", "max_tokens": 4}'
+    req = urllib.request.Request(
+        url + "/v1/completions", data=data, method="POST", headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            r.read()
+            return r.status, r.headers.get("X-Retries", "")
+    except urllib.error.HTTPError as e:
+        e.read()
+        return e.code, e.headers.get("X-Retries", "")
+
+
+def _burst(url: str, n: int = 6) -> list[tuple[int, str]]:
+    """``n`` requests at once: more than one decode node's share, so both nodes get some."""
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda _: _post(url), range(n)))
+
+
+def _metric(c: LocalCluster, pattern: str) -> float:
+    with urllib.request.urlopen(c.masters["m1"].url + "/metrics", timeout=3) as r:
+        text = r.read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(r"^" + pattern + r" (\S+)$", text, re.M))
+
+
+def test_breaker_alone_takes_out_a_dead_or_hung_engine_and_retries_hide_it(  # type: ignore[no-untyped-def]
+    etcd, proc_group: ProcessGroup
+) -> None:
+    """The agents do not check their engines here: only the master's own dispatches can notice."""
+    c = LocalCluster(proc_group, etcd.endpoint, f"breaker-{time.monotonic_ns()}")
+    c.start_master("m1", model="sim", engine_first_byte_timeout=2, breaker_backoff=0.5)
+    c.start_node("p1", "prefill", 8, model="sim", no_health_check=True)
+    for name, cap in DECODE.items():
+        c.start_node(name, "decode", cap, model="sim", no_health_check=True)
+    c.wait_for(lambda: c.full_capacity_held(["m1"], {"p1": 8, **DECODE}), timeout=30)
+    url = c.masters["m1"].url
+
+    # Dead: refused connections. Requests placed on d2 are retried on d1 (X-Retries: 1); after
+    # --breaker-failures of them d2's breaker opens and it takes no new leases.
+    c.engines["d2"].proc.kill()
+    seen: list[tuple[int, str]] = []
+
+    def opened() -> bool:
+        seen.extend(_burst(url))
+        return _node(c, "d2")["breaker_open"] is True
+
+    c.wait_for(opened, timeout=30, interval=0)
+    assert (200, "1") in seen, seen
+    assert _node(c, "d2")["effective_share"] == 0
+    assert _metric(c, r'pdcoord_engine_breaker_open\{node="d2"\}') == 1.0
+    assert _metric(c, r'pdcoord_engine_failures_total\{[^}]*node="d2"[^}]*\}') >= 3
+    assert {s for s, _ in seen} <= {200, 502, 503}  # a retry may land on d2 again before it opened
+
+    # Back: a half-open trial succeeds and closes the breaker.
+    c.engines["d2"].proc.start()
+    closed: list[tuple[int, str]] = []
+
+    def back() -> bool:
+        closed.extend(_burst(url))
+        return _node(c, "d2")["breaker_state"] == "closed"
+
+    c.wait_for(back, timeout=30, interval=0)
+    assert _node(c, "d2")["effective_share"] == DECODE["d2"]
+    assert _metric(c, r'pdcoord_engine_breaker_open\{node="d2"\}') == 0.0
+
+    # Hung: SIGSTOP. The first-byte timeout (2 s) ends each exchange with d2 and counts for its
+    # breaker; the request is retried on d1; after --breaker-failures of them d2 is out.
+    c.engines["d2"].proc.send_signal(signal.SIGSTOP)
+    try:
+        hung: list[tuple[int, str]] = []
+
+        def hung_opened() -> bool:
+            hung.extend(_burst(url))
+            return _node(c, "d2")["breaker_open"] is True
+
+        c.wait_for(hung_opened, timeout=60, interval=0)
+        assert (200, "1") in hung, hung
+        assert _metric(c, r'pdcoord_engine_failures_total\{kind="timeout",node="d2"\}') >= 1
+        assert {s for s, _ in hung} <= {200, 502, 503, 504}  # explicit answers, never a hang
+    finally:
+        c.engines["d2"].proc.send_signal(signal.SIGCONT)
