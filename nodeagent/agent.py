@@ -60,7 +60,7 @@ class AgentConfig:
     report_interval: float = 1.0
     shares: SharePolicy = field(default_factory=SharePolicy)
     register_wait: float = 15.0
-    metrics_url: str | None = None
+    load_urls: tuple[str, ...] = ()  # where the engine's load is read, best first; () = no probe
     health_host: str = "127.0.0.1"
     health_port: int | None = None
     reconnect_max_backoff: float = 2.0
@@ -98,7 +98,7 @@ class NodeAgent:
             capacity=cfg.running_max_req_size,
             # Prefill shares bound no lease (admission is on decode slots): nothing to hand over.
             policy=cfg.shares if cfg.role == "decode" else dataclasses.replace(cfg.shares, handover="fast"),
-            probe=cfg.metrics_url is not None,
+            probe=bool(cfg.load_urls),
             now=time.monotonic(),
         )
         self.links: dict[str, MasterLink] = {}
@@ -115,6 +115,7 @@ class NodeAgent:
         self._http: aiohttp.ClientSession | None = None
         self._health: web.AppRunner | None = None
         self.ready = asyncio.Event()
+        self.probe: LoadProbe | None = None
 
     # -- etcd ---------------------------------------------------------------------------------
     def _node_value(self) -> bytes:
@@ -434,9 +435,10 @@ class NodeAgent:
             },
             "engine": {"check": self.cfg.health_check, **self.engine.as_json()},
             "load": {
-                "running": self.load.running,
-                "waiting": self.load.waiting,
-                "probe_ok": self.load.probe_ok,
+                **self.load.as_json(),
+                # which engine endpoint the load comes from ("none": strict handover falls back to
+                # --orphan-timeout for a crashed master's slots)
+                "signal": self.probe.as_json() if self.probe is not None else {"signal": "off"},
             },
         }
 
@@ -470,11 +472,11 @@ class NodeAgent:
         self._tasks.append(asyncio.create_task(self._persist_loop(), name="persist"))
         self._tasks.append(asyncio.create_task(self._watch_masters(), name="watch-masters"))
         self._tasks.append(asyncio.create_task(self._control_loop(), name="control"))
-        if self.cfg.metrics_url or self.cfg.health_check:
+        if self.cfg.load_urls or self.cfg.health_check:
             self._http = aiohttp.ClientSession()
-        if self.cfg.metrics_url:
+        if self.cfg.load_urls:
             assert self._http is not None
-            probe = LoadProbe(self.cfg.metrics_url, self._http)
+            probe = self.probe = LoadProbe(self.cfg.load_urls, self._http)
             self._tasks.append(asyncio.create_task(self._probe_loop(probe), name="probe"))
         if self.cfg.health_check:
             assert self._http is not None

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -22,6 +24,9 @@ from pdcoord.config import (
     setup_logging,
 )
 from pdcoord.tls import TLSConfigError, add_grpc_client_tls_flags, client_tls_from_args
+
+if TYPE_CHECKING:
+    from nodeagent.probe import EngineInfo
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -176,9 +181,27 @@ def build_parser() -> EnvArgumentParser:
     return p
 
 
+async def _discover(endpoint: str) -> EngineInfo:
+    """The engine's settings; waits (capped, jittered backoff) while it does not answer: in a pod the
+    agent usually starts long before its engine has loaded the model."""
+    from nodeagent.probe import EngineUnreachable, discover_engine
+
+    delay, said = 0.5, False
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                return await discover_engine(endpoint, session)
+            except EngineUnreachable as exc:
+                if not said:
+                    print(f"nodeagent: waiting for the engine: {exc}", file=sys.stderr, flush=True)
+                    said = True
+            await asyncio.sleep(delay * random.uniform(0.5, 1.5))
+            delay = min(delay * 2, 5.0)
+
+
 async def _run(args: argparse.Namespace) -> int:
     from nodeagent.agent import AgentConfig, NodeAgent
-    from nodeagent.probe import fetch_max_running_requests
+    from nodeagent.probe import load_signal_urls
     from nodeagent.slicing import SharePolicy
     from pdcoord.etcd import EtcdError
     from pdcoord.registration import AlreadyRegistered
@@ -189,19 +212,38 @@ async def _run(args: argparse.Namespace) -> int:
     except TLSConfigError as exc:
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         return 2
-    capacity = args.running_max_req_size
-    if capacity is None:
-        async with aiohttp.ClientSession() as session:
-            try:
-                capacity = await fetch_max_running_requests(args.endpoint, session)
-            except RuntimeError as exc:
-                print(f"nodeagent: error: {exc}", file=sys.stderr)
+    capacity, bootstrap_port, model = args.running_max_req_size, args.bootstrap_port, args.model
+    if capacity is None or model is None or (args.role == "prefill" and bootstrap_port is None):
+        try:
+            info = await _discover(args.endpoint)
+        except asyncio.CancelledError:
+            return 0
+        if capacity is None:
+            capacity = info.max_running_requests
+            if capacity is None:
+                print(
+                    f"nodeagent: error: --running-max-req-size not given and the engine at {args.endpoint} "
+                    "does not publish max_running_requests (vLLM does not); pass --running-max-req-size",
+                    file=sys.stderr,
+                )
                 return 2
+        if bootstrap_port is None and args.role == "prefill" and info.flavour == "sglang":
+            bootstrap_port = info.bootstrap_port
+            if bootstrap_port is None:
+                # Without it every request would fail at the masters: refuse to start instead.
+                print(
+                    f"nodeagent: error: --bootstrap-port not given and the SGLang prefill engine at "
+                    f"{args.endpoint} reports no disaggregation_bootstrap_port (is it running with "
+                    "--disaggregation-mode prefill?); pass --bootstrap-port",
+                    file=sys.stderr,
+                )
+                return 2
+        model = model or info.model
     start_args = dict(args.start_arg)
-    if args.bootstrap_port is not None:
-        start_args["bootstrap_port"] = str(args.bootstrap_port)
-    if args.model:
-        start_args["model"] = args.model
+    if bootstrap_port is not None:
+        start_args["bootstrap_port"] = str(bootstrap_port)
+    if model:
+        start_args["model"] = model
     cfg = AgentConfig(
         etcd=etcd,
         node_id=args.node_id,
@@ -211,9 +253,9 @@ async def _run(args: argparse.Namespace) -> int:
         start_args=start_args,
         report_interval=args.report_interval,
         register_wait=args.register_wait,
-        metrics_url=None
+        load_urls=()
         if args.no_load_probe
-        else (args.metrics_url or args.endpoint.rstrip("/") + "/metrics"),
+        else ((args.metrics_url,) if args.metrics_url else load_signal_urls(args.endpoint)),
         health_check=not args.no_health_check,
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,

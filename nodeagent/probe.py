@@ -1,8 +1,14 @@
-"""Engine load probe: scrape the engine's Prometheus /metrics (SGLang or vLLM names)."""
+"""What the agent learns from its engine: its load (Prometheus ``/metrics`` with SGLang or vLLM names,
+or what a stock SGLang serves without ``--enable-metrics``), its liveness (``/health``), and at start
+the settings no flag gave (``/get_server_info``, ``/v1/models``)."""
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -65,50 +71,175 @@ def parse_metrics(text: str) -> EngineLoad:
     )
 
 
+def parse_get_load(data: Any) -> EngineLoad:
+    """SGLang's ``GET /get_load``: one entry per data-parallel rank, ``num_reqs`` counting running and
+    waiting requests, ``num_waiting_reqs`` the waiting ones (served without ``--enable-metrics``)."""
+    ranks = data if isinstance(data, list) else [data]
+    running = waiting = 0
+    seen = False
+    for r in ranks:
+        if isinstance(r, dict) and isinstance(r.get("num_reqs"), int):
+            seen = True
+            w = r.get("num_waiting_reqs")
+            w = w if isinstance(w, int) else 0
+            running += max(0, r["num_reqs"] - w)
+            waiting += w
+    return EngineLoad(running=running, waiting=waiting, probe_ok=seen)
+
+
+def parse_v1_loads(data: Any) -> EngineLoad:
+    """Newer SGLang's ``GET /v1/loads``: the ``aggregate`` totals over its ranks."""
+    agg = data.get("aggregate") if isinstance(data, dict) else None
+    if not isinstance(agg, dict) or not isinstance(agg.get("total_running_reqs"), int):
+        return EngineLoad()
+    waiting = agg.get("total_waiting_reqs")
+    usage = agg.get("avg_token_usage")
+    return EngineLoad(
+        running=agg["total_running_reqs"],
+        waiting=waiting if isinstance(waiting, int) else 0,
+        kv_usage=float(usage) if isinstance(usage, int | float) else 0.0,
+        probe_ok=True,
+    )
+
+
+def _parser(url: str) -> Callable[[str], EngineLoad]:
+    if url.endswith("/get_load"):
+        return lambda text: parse_get_load(json.loads(text))
+    if url.endswith("/v1/loads"):
+        return lambda text: parse_v1_loads(json.loads(text))
+    return parse_metrics
+
+
+def load_signal_urls(endpoint: str) -> tuple[str, ...]:
+    """Where an engine may tell how many requests it runs, best first: Prometheus ``/metrics`` (vLLM
+    serves it by default, SGLang only with ``--enable-metrics``), then what a stock SGLang serves."""
+    base = endpoint.rstrip("/")
+    return (base + "/metrics", base + "/v1/loads", base + "/get_load")
+
+
 class LoadProbe:
-    def __init__(self, metrics_url: str, session: aiohttp.ClientSession, timeout: float = 0.5) -> None:
-        self.url = metrics_url
+    """Samples the engine's load from the first of ``urls`` that answers with one, and stays with it
+    while it works. ``signal`` names the source in use ("" before the first sample, "none" when no
+    source answered: strict handover then frees a crashed master's slots only after
+    ``--orphan-timeout``); ``problems`` says why each source was passed over."""
+
+    def __init__(
+        self, urls: str | Sequence[str], session: aiohttp.ClientSession, timeout: float = 0.5
+    ) -> None:
+        self.urls = (urls,) if isinstance(urls, str) else tuple(urls)
+        if not self.urls:
+            raise ValueError("a load probe needs at least one URL")
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.signal = ""
+        self.problems: dict[str, str] = {}
+        self._current: str | None = None
         self._warned = False
+
+    @property
+    def url(self) -> str:
+        return self._current or self.urls[0]
+
+    async def _read(self, url: str) -> EngineLoad | str:
+        """The sample, or what went wrong."""
+        try:
+            async with self.session.get(url, timeout=self.timeout) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    return f"HTTP {resp.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return str(exc) or type(exc).__name__
+        try:
+            sample = _parser(url)(text)
+        except ValueError as exc:
+            return f"unreadable answer: {exc}"
+        return sample if sample.probe_ok else "no request counts in the answer"
 
     async def sample(self) -> EngineLoad:
+        order = [self._current] if self._current else []
+        order += [u for u in self.urls if u != self._current]
+        for url in order:
+            got = await self._read(url)
+            if isinstance(got, EngineLoad):
+                if url != self._current:
+                    log.info("load signal: %s", url)
+                self._current, self.signal, self._warned = url, url, False
+                self.problems.pop(url, None)
+                return got
+            self.problems[url] = got
+            if not got.startswith(("HTTP", "unreadable", "no request")):
+                break  # the engine does not answer at all: the other sources would fail the same way
+        self._current = None
+        self.signal = "none"
+        if not self._warned:
+            log.warning(
+                "no load signal from the engine (%s); a crashed master's slots on this node are freed "
+                "only after --orphan-timeout",
+                "; ".join(f"{u}: {why}" for u, why in self.problems.items()),
+            )
+            self._warned = True
+        return EngineLoad()
+
+    def as_json(self) -> dict[str, object]:
+        return {"signal": self.signal, "sources": list(self.urls), "problems": dict(self.problems)}
+
+
+class EngineUnreachable(Exception):
+    """The engine did not answer at all (it may still be starting): worth waiting for."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the agent reads from its engine when no flag says it."""
+
+    flavour: str  # "sglang" (serves /get_server_info), "openai" (only /v1/models, e.g. vLLM)
+    max_running_requests: int | None = None
+    bootstrap_port: int | None = None
+    model: str | None = None
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+async def discover_engine(endpoint: str, session: aiohttp.ClientSession, timeout: float = 5.0) -> EngineInfo:
+    """SGLang's ``GET /get_server_info`` (``max_running_requests``, at the top or per rank in
+    ``internal_states``; ``disaggregation_bootstrap_port``; ``served_model_name``), else the OpenAI
+    ``GET /v1/models`` (the model only: vLLM does not publish its ``max_num_seqs``).
+    EngineUnreachable when neither answers."""
+    base = endpoint.rstrip("/")
+    errors: list[str] = []
+
+    async def get(path: str) -> Any:
         try:
-            async with self.session.get(self.url, timeout=self.timeout) as resp:
+            async with session.get(base + path, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 if resp.status != 200:
-                    raise aiohttp.ClientError(f"HTTP {resp.status}")
-                sample = parse_metrics(await resp.text())
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            if not self._warned:
-                log.warning("load probe %s failed: %s", self.url, exc)
-                self._warned = True
-            return EngineLoad()
-        self._warned = False
-        return sample
+                    errors.append(f"{path}: HTTP {resp.status}")
+                    return None
+                return await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            errors.append(f"{path}: {exc or type(exc).__name__}")
+            return None
 
-
-async def fetch_max_running_requests(
-    endpoint: str, session: aiohttp.ClientSession, timeout: float = 5.0
-) -> int:
-    """Read ``max_running_requests`` from the engine's ``GET /get_server_info``."""
-    url = endpoint.rstrip("/") + "/get_server_info"
-    try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            if resp.status != 200:
-                raise ValueError(f"HTTP {resp.status}")
-            info = await resp.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        raise RuntimeError(
-            f"--running-max-req-size not given and {url} could not be read ({exc}); "
-            "pass --running-max-req-size or make the engine reachable"
-        ) from exc
-    value = info.get("max_running_requests") if isinstance(info, dict) else None
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise RuntimeError(
-            f"--running-max-req-size not given and {url} has no positive integer 'max_running_requests' "
-            f"(got {value!r}); pass --running-max-req-size"
+    info = await get("/get_server_info")
+    if isinstance(info, dict):
+        cap = _positive_int(info.get("max_running_requests"))
+        for rank in info.get("internal_states") or ():
+            if cap is None and isinstance(rank, dict):
+                cap = _positive_int(rank.get("max_running_requests"))
+        model = info.get("served_model_name") or info.get("model_path")
+        return EngineInfo(
+            "sglang",
+            max_running_requests=cap,
+            bootstrap_port=_positive_int(info.get("disaggregation_bootstrap_port")),
+            model=model if isinstance(model, str) else None,
         )
-    return value
+    models = await get("/v1/models")
+    if isinstance(models, dict) and isinstance(models.get("data"), list):
+        first = models["data"][0] if models["data"] else {}
+        model = first.get("id") if isinstance(first, dict) else None
+        return EngineInfo("openai", model=model if isinstance(model, str) else None)
+    raise EngineUnreachable(f"engine {base} did not answer ({'; '.join(errors)})")
 
 
 class EngineHealth:

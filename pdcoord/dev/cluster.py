@@ -94,6 +94,11 @@ class Agent:
     capacity: int | None
     proc: ManagedProcess
     extra: dict[str, Any] = field(default_factory=dict)
+    health_port: int = 0
+
+    def status(self, timeout: float = 2.0) -> dict[str, Any]:
+        """The agent's ``GET /status``."""
+        return http_json(f"http://127.0.0.1:{self.health_port}/status", timeout=timeout)
 
 
 @dataclass
@@ -238,7 +243,7 @@ class LocalCluster:
             return argv + tail, f"http://127.0.0.1:{ports['health']}/health" if wait else None
 
         proc = self._start_on_free_ports(f"agent-{node_id}", build, env)
-        agent = Agent(node_id, role, endpoint, capacity, proc, dict(extra))
+        agent = Agent(node_id, role, endpoint, capacity, proc, dict(extra), ports["health"])
         self.agents[node_id] = agent
         return agent
 
@@ -247,11 +252,25 @@ class LocalCluster:
         return self.start_agent(a.node_id, a.role, endpoint=a.endpoint, capacity=a.capacity, **a.extra)
 
     # -- engines ------------------------------------------------------------------------------
-    def start_engine(self, name: str, role: str, capacity: int, *, fast: bool = True, **extra: Any) -> Engine:
+    def start_engine(
+        self,
+        name: str,
+        role: str,
+        capacity: int,
+        *,
+        fast: bool = True,
+        port: int | None = None,
+        bootstrap_port: int | None = None,
+        **extra: Any,
+    ) -> Engine:
+        """A pdsim engine (``port``/``bootstrap_port``: fixed ones; ``bootstrap_port=0``: none)."""
         ports: dict[str, int] = {}
 
         def build() -> tuple[list[str], str | None]:
-            ports.update(port=free_port(), bootstrap=free_port())
+            ports.update(
+                port=port if port is not None else free_port(),
+                bootstrap=bootstrap_port if bootstrap_port is not None else free_port(),
+            )
             argv = self._module("pdsim") + [
                 "--role", role, "--host", "127.0.0.1", "--port", str(ports["port"]),
                 "--running-max-req-size", str(capacity), "--bootstrap-port", str(ports["bootstrap"]),

@@ -26,3 +26,27 @@ def test_label_sets_of_one_family_are_summed_and_vllm_alone_works() -> None:
     s = parse_metrics(text)
     assert (s.running, s.waiting, s.probe_ok) == (7, 0, True)
     assert not parse_metrics("other_metric 1\n").probe_ok
+
+
+def test_sglang_load_endpoints_without_metrics() -> None:
+    from nodeagent.probe import parse_get_load, parse_v1_loads
+
+    # /get_load: one entry per data-parallel rank; num_reqs counts running and waiting
+    s = parse_get_load([{"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 100},
+                        {"dp_rank": 1, "num_reqs": 1, "num_waiting_reqs": 0}])  # fmt: skip
+    assert (s.running, s.waiting, s.probe_ok) == (4, 2, True)
+    assert not parse_get_load({"unexpected": 1}).probe_ok
+    agg = {"aggregate": {"total_running_reqs": 3, "total_waiting_reqs": 1, "avg_token_usage": 0.5}}
+    s = parse_v1_loads(agg)
+    assert (s.running, s.waiting, s.kv_usage, s.probe_ok) == (3, 1, 0.5, True)
+    assert not parse_v1_loads({"loads": []}).probe_ok
+
+
+def test_load_signal_urls_go_from_metrics_to_what_stock_sglang_serves() -> None:
+    from nodeagent.probe import load_signal_urls
+
+    assert load_signal_urls("http://e:1/") == (
+        "http://e:1/metrics",
+        "http://e:1/v1/loads",
+        "http://e:1/get_load",
+    )

@@ -1,0 +1,90 @@
+"""What an agent reads from its engine when no flag says it, and the load signal a stock engine gives.
+
+Real pdsim engines in the SGLang flavour (``--api sglang``), one of them without ``/metrics`` (SGLang
+serves it only with ``--enable-metrics``), real agents and masters on loopback.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pdcoord.dev.cluster import LocalCluster
+from pdcoord.dev.launcher import ProcessGroup
+from pdcoord.dev.netutil import free_port
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture
+def cluster(etcd: Any, tmp_path: Any) -> Iterator[LocalCluster]:
+    group = ProcessGroup(tmp_path / "logs")
+    try:
+        yield LocalCluster(group, etcd.endpoint, f"discovery-{time.monotonic_ns()}")
+    finally:
+        group.close()
+
+
+def _node(c: LocalCluster, master: str, node: str) -> dict[str, Any]:
+    return next(n for n in c.masters[master].admission()["nodes"] if n["node_id"] == node)
+
+
+def test_an_agent_reads_capacity_bootstrap_port_and_model_from_the_engine(cluster: LocalCluster) -> None:
+    c = cluster
+    c.start_master("m1")
+    p = c.start_engine("p1", "prefill", 6, api="sglang", disable_metrics=True, model="served-name")
+    d = c.start_engine("d1", "decode", 5, api="sglang", disable_metrics=True)
+    # No --running-max-req-size, --bootstrap-port or --model: all come from /get_server_info.
+    c.start_agent("p1", "prefill", endpoint=p.url)
+    c.start_agent("d1", "decode", endpoint=d.url)
+    c.wait_for(lambda: c.full_capacity_held(["m1"], {"p1": 6, "d1": 5}), timeout=30)
+    p1 = _node(c, "m1", "p1")
+    assert p1["bootstrap_port"] == p.bootstrap_port
+    assert p1["start_args"]["model"] == "served-name"
+    # /metrics is off: the agents fall back to what a stock SGLang serves
+    signal = c.agents["d1"].status()["load"]["signal"]
+    assert signal["signal"].endswith(("/v1/loads", "/get_load")), signal
+    assert "/metrics" in str(signal["problems"])
+    # and the masters route through them
+    c.wait_for(lambda: _node(c, "m1", "d1")["load"]["probe_ok"], timeout=30)
+
+
+def test_an_agent_waits_for_an_engine_that_is_not_up_yet(cluster: LocalCluster) -> None:
+    c = cluster
+    c.start_master("m1")
+    port = free_port()
+    agent = c.start_agent("d1", "decode", endpoint=f"http://127.0.0.1:{port}", wait=False)
+    time.sleep(2.0)
+    assert agent.proc.alive, agent.proc.tail()  # still waiting, not exited
+    c.start_engine("d1", "decode", 3, api="sglang", port=port)
+    c.wait_for(lambda: c.full_capacity_held(["m1"], {"d1": 3}), timeout=30)
+
+
+def test_a_prefill_sglang_engine_without_a_bootstrap_port_is_refused_at_start(cluster: LocalCluster) -> None:
+    p = cluster.start_engine("p1", "prefill", 4, api="sglang", bootstrap_port=0)
+    out = subprocess.run(
+        [sys.executable, "-m", "nodeagent", "--etcd", cluster.etcd, "--node-id", "p1", "--role", "prefill",
+         "--endpoint", p.url],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "--bootstrap-port" in out.stderr and "disaggregation_bootstrap_port" in out.stderr
+
+
+def test_a_crashed_master_is_failed_over_without_engine_metrics(cluster: LocalCluster) -> None:
+    """Strict handover frees a crashed master's slots once the engine shows its requests ended: with
+    /metrics off that sample comes from SGLang's load endpoint, well before --orphan-timeout."""
+    c = cluster
+    c.start_master("m1")
+    c.start_master("m2")
+    d = c.start_engine("d1", "decode", 8, api="sglang", disable_metrics=True)
+    c.start_agent("d1", "decode", endpoint=d.url, capacity=8, orphan_timeout=120)
+    c.wait_for(lambda: c.full_capacity_held(["m1", "m2"], {"d1": 8}), timeout=30)
+    c.masters["m1"].proc.kill()
+    took = c.wait_for(lambda: _node(c, "m2", "d1")["effective_share"] == 8, timeout=60)
+    assert took < 60  # the orphan timeout (120 s) was not what freed them
