@@ -75,8 +75,13 @@ def build_parser() -> EnvArgumentParser:
         metavar="KEY=VALUE",
         help="extra engine start argument passed to masters (repeatable)",
     )
-    g.add_argument("--metrics-url", default=None, help="engine Prometheus URL (default: <endpoint>/metrics)")
-    g.add_argument("--no-load-probe", action="store_true", help="do not scrape the engine's /metrics")
+    g.add_argument(
+        "--metrics-url",
+        default=None,
+        help="where to read the engine's load "
+        "(default: <endpoint>/metrics, then SGLang's /v1/loads, /get_load)",
+    )
+    g.add_argument("--no-load-probe", action="store_true", help="do not read the engine's load")
     g.add_argument(
         "--health-interval",
         type=positive_float,
