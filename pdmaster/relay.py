@@ -1,4 +1,5 @@
-"""Relaying D's answer to the client: whole, or as a stream with back-pressure.
+"""Relaying D's answer to the client: whole, or as a stream with back-pressure; and the answers of a
+request split into parts (``fanout``), merged.
 
 A streamed answer is written to the client's transport from the engine socket's callback: no task
 wakes per event. When more than :data:`WRITE_HIGH` bytes wait for a slow client, the engine socket
@@ -32,6 +33,19 @@ def sse_error(message: str, type_: str = "upstream_error", code: str = "upstream
     )
 
 
+async def _whole(
+    body: bytes,
+    headers: dict[str, str],
+    metrics: EndpointMetrics,
+    arrived: float,
+    first_output: Callable[[], None],
+) -> web.Response:
+    metrics.ttft.observe(time.perf_counter() - arrived)
+    first_output()
+    metrics.ok.inc()
+    return web.Response(body=body, content_type="application/json", headers=headers)
+
+
 async def relay_body(
     answer: EngineResponse,
     headers: dict[str, str],
@@ -39,67 +53,7 @@ async def relay_body(
     arrived: float,
     first_output: Callable[[], None],
 ) -> web.Response:
-    body = await answer.read()
-    metrics.ttft.observe(time.perf_counter() - arrived)
-    first_output()
-    metrics.ok.inc()
-    return web.Response(body=body, content_type="application/json", headers=headers)
-
-
-async def relay_stream(
-    request: web.Request,
-    answer: EngineResponse,
-    headers: dict[str, str],
-    metrics: EndpointMetrics,
-    arrived: float,
-    first_output: Callable[[], None],
-) -> web.StreamResponse:
-    resp = web.StreamResponse(
-        status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
-    )
-    await resp.prepare(request)  # a StreamResponse sends its head here
-    out = request.transport
-    if out is None or out.is_closing():
-        return resp  # the client is gone; closing the answer tells the engine
-    # aiohttp chose the framing in prepare(): chunked for HTTP/1.1, until-close for HTTP/1.0.
-    chunked = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
-    first = True
-    events = 0
-
-    # The head went out through aiohttp, and write_eof() below ends the body.
-    def sink(data: bytes) -> None:
-        nonlocal first, events
-        if first:
-            first = False
-            metrics.ttft.observe(time.perf_counter() - arrived)
-            first_output()
-        if out.is_closing():
-            answer.abort(EngineError("the client went away", kind="aborted"))
-            return
-        events += data.count(b"data:")
-        out.write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
-        if out.get_write_buffer_size() > WRITE_HIGH:
-            answer.pause()
-
-    answer.relay(sink)
-    try:
-        while True:
-            await answer.wait()
-            if not answer.paused:
-                break
-            # The client reads slower than the engine writes: stop reading the engine.
-            await request.writer.drain()  # returns once the transport has room again
-            answer.resume()
-    except (EngineError, OSError) as exc:
-        if out.is_closing():
-            return resp
-        # Headers are gone already: the error becomes an SSE event and the stream ends.
-        await resp.write(sse_error(f"decode stream failed: {exc}"))
-    metrics.tokens.inc(events)
-    metrics.ok.inc()
-    if not out.is_closing():
-        await resp.write_eof()
-    return resp
+    return await _whole(await answer.read(), headers, metrics, arrived, first_output)
 
 
 async def relay_parts_body(
@@ -118,10 +72,121 @@ async def relay_parts_body(
     except (ValueError, TypeError, AttributeError) as exc:
         why = f"an engine answered a part with something that is not the expected JSON: {exc}"
         raise EngineError(why, kind="protocol") from None
-    metrics.ttft.observe(time.perf_counter() - arrived)
-    first_output()
-    metrics.ok.inc()
-    return web.Response(body=body, content_type="application/json", headers=headers)
+    return await _whole(body, headers, metrics, arrived, first_output)
+
+
+class _Stream:
+    """A streamed answer on its way to the client. Its head goes out through aiohttp; events are then
+    written to the client's transport from the engine sockets' callbacks (no task wakes per event),
+    and the engine sockets stop being read while more than WRITE_HIGH bytes wait for a slow client."""
+
+    __slots__ = (
+        "answers",
+        "arrived",
+        "chunked",
+        "events",
+        "first_output",
+        "metrics",
+        "out",
+        "request",
+        "resp",
+    )
+
+    def __init__(
+        self,
+        request: web.Request,
+        answers: Sequence[EngineResponse],
+        metrics: EndpointMetrics,
+        arrived: float,
+        first_output: Callable[[], None] | None,
+    ) -> None:
+        self.request = request
+        self.answers = answers
+        self.metrics = metrics
+        self.arrived = arrived
+        self.first_output = first_output  # None once the first event went out
+        self.events = 0
+        self.resp = web.StreamResponse(status=200)
+        self.out: asyncio.Transport | None = None
+        self.chunked = False
+
+    async def start(self, headers: dict[str, str]) -> bool:
+        """Send the head; False when the client is gone already (closing the answers tells the engines)."""
+        self.resp.headers.update(
+            {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
+        )
+        await self.resp.prepare(self.request)
+        out = self.request.transport
+        if out is None or out.is_closing():
+            return False
+        self.out = out
+        # aiohttp chose the framing in prepare(): chunked for HTTP/1.1, until-close for HTTP/1.0.
+        self.chunked = self.resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
+        return True
+
+    def write(self, data: bytes) -> None:
+        """Write events (from an engine socket's callback)."""
+        out = self.out
+        assert out is not None
+        if self.first_output is not None:
+            self.metrics.ttft.observe(time.perf_counter() - self.arrived)
+            self.first_output()
+            self.first_output = None
+        if out.is_closing():
+            for a in self.answers:
+                a.abort(EngineError("the client went away", kind="aborted"))
+            return
+        if data:
+            self.events += data.count(b"data:")
+            out.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+            if out.get_write_buffer_size() > WRITE_HIGH:
+                for a in self.answers:
+                    a.pause()
+
+    async def finish(self, tail: Callable[[], bytes] = lambda: b"") -> web.StreamResponse:
+        """Until every answer is complete (waiting for a slow client when asked to), then the end of
+        the stream; an engine failure on the way becomes an SSE error event."""
+        out = self.out
+        assert out is not None
+        try:
+            for answer in self.answers:
+                while True:
+                    await answer.wait()
+                    if not answer.paused:
+                        break
+                    # The client reads slower than the engines write: stop reading the engines.
+                    await self.request.writer.drain()  # returns once the transport has room again
+                    for a in self.answers:
+                        a.resume()
+        except (EngineError, OSError) as exc:
+            for a in self.answers:
+                a.abort(EngineError("another part of the answer failed", kind="aborted"))
+            if out.is_closing():
+                return self.resp
+            # Headers are gone already: the error becomes an SSE event and the stream ends.
+            await self.resp.write(sse_error(f"decode stream failed: {exc}"))
+        else:
+            self.write(tail())
+        self.metrics.tokens.inc(self.events)
+        self.metrics.ok.inc()
+        if not out.is_closing():
+            await self.resp.write_eof()
+        return self.resp
+
+
+async def relay_stream(
+    request: web.Request,
+    answer: EngineResponse,
+    headers: dict[str, str],
+    metrics: EndpointMetrics,
+    arrived: float,
+    first_output: Callable[[], None],
+) -> web.StreamResponse:
+    stream = _Stream(request, (answer,), metrics, arrived, first_output)
+    if not await stream.start(headers):
+        return stream.resp
+    answer.relay(stream.write)
+    return await stream.finish()
 
 
 async def relay_parts_stream(
@@ -134,64 +199,15 @@ async def relay_parts_stream(
     arrived: float,
     first_output: Callable[[], None],
 ) -> web.StreamResponse:
-    """The streams of a split request as one stream: events rewritten by a ``StreamMerger``."""
-    resp = web.StreamResponse(
-        status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
-    )
-    await resp.prepare(request)
-    out = request.transport
-    if out is None or out.is_closing():
-        return resp
-    chunked = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
+    """The streams of a split request as one: events rewritten by a ``StreamMerger``."""
+    stream = _Stream(request, answers, metrics, arrived, first_output)
+    if not await stream.start(headers):
+        return stream.resp
     merger = StreamMerger(kind, parts)
-    first = True
-    events = 0
 
-    def write(data: bytes) -> None:
-        nonlocal events
-        if data:
-            events += data.count(b"data:")
-            out.write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
-
-    def sink_for(index: int) -> Callable[[bytes], None]:
-        def sink(data: bytes) -> None:
-            nonlocal first
-            if first:
-                first = False
-                metrics.ttft.observe(time.perf_counter() - arrived)
-                first_output()
-            if out.is_closing():
-                for a in answers:
-                    a.abort(EngineError("the client went away", kind="aborted"))
-                return
-            write(merger.feed(index, data))
-            if out.get_write_buffer_size() > WRITE_HIGH:
-                for a in answers:
-                    a.pause()
-
-        return sink
+    def sink(index: int) -> Callable[[bytes], None]:
+        return lambda data: stream.write(merger.feed(index, data))
 
     for i, answer in enumerate(answers):
-        answer.relay(sink_for(i))
-    try:
-        for answer in answers:
-            while True:
-                await answer.wait()
-                if not answer.paused:
-                    break
-                await request.writer.drain()
-                for a in answers:
-                    a.resume()
-    except (EngineError, OSError) as exc:
-        for a in answers:
-            a.abort(EngineError("another part of the request failed", kind="aborted"))
-        if out.is_closing():
-            return resp
-        await resp.write(sse_error(f"decode stream failed: {exc}"))
-        return resp
-    write(merger.finish())
-    metrics.tokens.inc(events)
-    metrics.ok.inc()
-    if not out.is_closing():
-        await resp.write_eof()
-    return resp
+        answer.relay(sink(i))
+    return await stream.finish(merger.finish)
