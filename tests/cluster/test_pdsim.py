@@ -24,6 +24,25 @@ from hypothesis import strategies as st
 READY_TIMEOUT_S = 20.0
 
 
+def read_ready_line(proc: subprocess.Popen[bytes], args: list[str]) -> bytes:
+    """pdsim's one ready line on stdout (``pdsim ready role=… port=…``), read without blocking past
+    the deadline."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    line = b""
+    while not line.endswith(b"\n"):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or proc.poll() is not None:
+            raise AssertionError(f"pdsim {args} did not become ready: {line!r}")
+        r, _, _ = select.select([proc.stdout], [], [], remaining)
+        if r:
+            ch = proc.stdout.read(1)
+            if not ch:
+                raise AssertionError(f"pdsim {args} exited: rc={proc.wait()}")
+            line += ch
+    return line
+
+
 @dataclass
 class Sim:
     proc: subprocess.Popen[bytes]
@@ -36,19 +55,7 @@ class Sim:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self) -> None:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        line = b""
-        while not line.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or self.proc.poll() is not None:
-                raise AssertionError(f"pdsim {self.args} did not become ready: {line!r}")
-            r, _, _ = select.select([self.proc.stdout], [], [], remaining)
-            if r:
-                ch = self.proc.stdout.read(1)
-                if not ch:
-                    raise AssertionError(f"pdsim {self.args} exited: rc={self.proc.wait()}")
-                line += ch
+        line = read_ready_line(self.proc, self.args)
         fields = dict(kv.split("=", 1) for kv in line.decode().split()[2:])
         assert line.startswith(b"pdsim ready"), line
         self.port, self.bootstrap_port = int(fields["port"]), int(fields["bootstrap_port"])

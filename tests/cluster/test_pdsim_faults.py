@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+
+from tests.cluster.test_pdsim import read_ready_line
 
 READY_TIMEOUT_S = 20.0
 DEADLINE_S = 20.0  # generous: the machine may be small and loaded
@@ -46,19 +47,7 @@ class Sim:
 
     def wait_ready(self) -> None:
         """Read the ready line; unlike a plain start, /health may be failing on purpose."""
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        line = b""
-        while not line.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or self.proc.poll() is not None:
-                raise AssertionError(f"pdsim {self.args} did not become ready: {line!r}")
-            r, _, _ = select.select([self.proc.stdout], [], [], remaining)
-            if r:
-                ch = self.proc.stdout.read(1)
-                if not ch:
-                    raise AssertionError(f"pdsim {self.args} exited: rc={self.proc.wait()}")
-                line += ch
+        line = read_ready_line(self.proc, self.args)
         assert line.startswith(b"pdsim ready"), line
         self.ready = dict(kv.split("=", 1) for kv in line.decode().split()[2:])
 
