@@ -27,6 +27,7 @@ from pdcoord.config import EtcdSettings
 from pdcoord.etcd import EtcdClient, EtcdError, Registration, WatchCompacted
 from pdcoord.keys import Keys
 from pdcoord.load import EngineLoad
+from pdcoord.retry import Backoff, Outage, register_with_retry
 from pdcoord.tls import ClientTLS, grpc_channel, looks_like_tls_failure
 from pdcoord.v1 import coordination_pb2 as pb
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
@@ -130,6 +131,7 @@ class NodeAgent:
 
     async def _persist_loop(self) -> None:
         """Write the newest epoch to etcd, coalesced; a restarted agent starts above it."""
+        backoff, outage = Backoff(), Outage(log, "persisting the epoch")
         while True:
             await self._persist_wake.wait()
             self._persist_wake.clear()
@@ -141,16 +143,21 @@ class NodeAgent:
                 if self.registration is not None:
                     await self.registration.update(self._node_value())
                 self._persisted_epoch = epoch
+                outage.recovered()
+                backoff.reset()
             except EtcdError as exc:
-                log.warning("could not persist epoch %d: %s; retrying", epoch, exc)
-                await asyncio.sleep(0.5)
+                outage.failed(exc)
+                await asyncio.sleep(backoff.next())
                 self._persist_wake.set()
 
     async def _watch_masters(self) -> None:
         prefix = self.keys.masters_prefix
+        backoff, outage = Backoff(), Outage(log, "masters watch")
         while True:
             try:
                 kvs, revision = await self.etcd.get_prefix(prefix)
+                outage.recovered()
+                backoff.reset()
                 current: dict[str, str] = {}
                 for kv in kvs:
                     mid, addr = self._parse_master(kv.key, kv.value)
@@ -171,8 +178,8 @@ class NodeAgent:
             except WatchCompacted:
                 log.info("masters watch compacted; re-listing")
             except EtcdError as exc:
-                log.warning("masters watch failed (%s); retrying", exc)
-                await asyncio.sleep(0.5)
+                outage.failed(exc)
+                await asyncio.sleep(backoff.next())
 
     def _parse_master(self, key: str, value: bytes) -> tuple[str, str]:
         try:
@@ -241,7 +248,9 @@ class NodeAgent:
         return pb.AgentMessage(report=rep)
 
     async def _stream(self, link: MasterLink) -> None:
-        backoff = 0.1
+        # Jittered: after a master restarts, a thousand agents must not reconnect in lock-step.
+        backoff = Backoff(0.1, max(0.1, self.cfg.reconnect_max_backoff))
+        outage = Outage(log, f"stream to master {link.master_id} ({link.address})", logging.INFO)
         while not self._stopping:
             channel = grpc_channel(link.address, self.cfg.grpc_tls, GRPC_CLIENT_OPTIONS)
             reader: asyncio.Task[None] | None = None
@@ -254,7 +263,8 @@ class NodeAgent:
                     raise ConnectionError("master closed the stream before acknowledging Register")
                 link.last_ack = first.ack
                 link.call, link.connected = call, True
-                backoff = 0.1
+                backoff.reset()
+                outage.recovered()
                 log.info("stream to master %s (%s) up", link.master_id, link.address)
                 changed = self.slicer.stream_up(link.master_id, time.monotonic(), time.time_ns())
                 if self._on_ack(link, first.ack) or changed:
@@ -290,16 +300,9 @@ class NodeAgent:
                         logging.ERROR,
                         " (TLS: check --grpc-tls-ca/--grpc-tls-cert/--grpc-tls-server-name)",
                     )
-                log.log(
-                    level,
-                    "stream to master %s: %s %s%s",
-                    link.master_id,
-                    exc.code().name,
-                    exc.details(),
-                    hint,
-                )
+                outage.failed(f"{exc.code().name} {exc.details()}{hint}", level)
             except (ConnectionError, grpc.aio.UsageError) as exc:
-                log.info("stream to master %s ended: %s", link.master_id, exc)
+                outage.failed(f"ended: {exc}")
             finally:
                 if reader is not None:
                     reader.cancel()
@@ -309,8 +312,7 @@ class NodeAgent:
                     self._changed()
                 self._kick.set()  # the grace deadline may have moved
                 await channel.close(grace=None)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.cfg.reconnect_max_backoff)
+            await asyncio.sleep(backoff.next())
 
     async def _read_acks(self, link: MasterLink, call: Any) -> None:
         while True:
@@ -429,13 +431,22 @@ class NodeAgent:
         await web.TCPSite(self._health, self.cfg.health_host, self.cfg.health_port).start()
 
     # -- lifecycle ----------------------------------------------------------------------------
-    async def start(self) -> None:
-        await self.etcd.connect()
+    async def _restore_epoch(self) -> None:
         self.slicer.restore_epoch(await self._stored_epoch())
-        self.registration = Registration(
+
+    async def start(self) -> None:
+        """Register in etcd, retrying for as long as etcd is unreachable; then run the loops.
+
+        Raises only on a configuration error: etcd TLS or credentials, or the node id still held by
+        another live agent after ``register_wait``.
+        """
+        registration = Registration(
             self.etcd, self.keys.node(self.cfg.node_id), self._node_value, ttl=self.cfg.etcd.lease_ttl
         )
-        await self.registration.start(wait=self.cfg.register_wait)
+        await register_with_retry(
+            self.etcd, registration, log, held_wait=self.cfg.register_wait, before=self._restore_epoch
+        )
+        self.registration = registration
         await self._start_health()
         self._tasks.append(asyncio.create_task(self._persist_loop(), name="persist"))
         self._tasks.append(asyncio.create_task(self._watch_masters(), name="watch-masters"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 import sys
 from collections.abc import Sequence
@@ -202,8 +203,21 @@ async def _run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # etcd may be unreachable for a long time at start-up (the agent retries): a stop request
+    # must still end the process promptly.
+    starting = asyncio.create_task(agent.start())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        stopping.cancel()
+        await agent.stop()
+        return 0
+    stopping.cancel()
     try:
-        await agent.start()
+        starting.result()
     except AlreadyRegistered as exc:
         print(
             f"nodeagent: error: --node-id {args.node_id!r} is held by another live agent "
@@ -212,7 +226,7 @@ async def _run(args: argparse.Namespace) -> int:
         )
         await agent.stop()
         return 2
-    except EtcdError as exc:
+    except EtcdError as exc:  # only configuration errors (TLS, credentials) get here: retrying cannot help
         print(f"nodeagent: error: etcd: {exc}", file=sys.stderr)
         await agent.stop()
         return 2

@@ -4,6 +4,7 @@ NodeCoordination server, the HTTP servers, draining on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from pdcoord import __version__
 from pdcoord.etcd import AlreadyRegistered, EtcdClient, Registration
 from pdcoord.keys import Keys
+from pdcoord.retry import register_with_retry
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
 from pdmaster.admission_controller import AdmissionController
 from pdmaster.api import ControlRoutes, OpenAIRoutes, api_key_middleware, harden_aiohttp, load_api_keys
@@ -198,7 +200,6 @@ class MasterServer:
                 self.admin_runner, admin_host, cfg.admin_port, "--admin-port"
             )
 
-        await self.etcd.connect()
         advertise = cfg.advertise_host or cfg.grpc_host
         value = json.dumps(
             {
@@ -209,11 +210,12 @@ class MasterServer:
                 "started_at": time.time(),
             }
         ).encode()
-        self.registration = Registration(
-            self.etcd, self.keys.master(self.master_id), value, ttl=cfg.etcd.lease_ttl
-        )
+        key = self.keys.master(self.master_id)
+        registration = Registration(self.etcd, key, value, ttl=cfg.etcd.lease_ttl)
         try:
-            await self.registration.start()
+            # Retries for as long as etcd is unreachable; raises only on a configuration error.
+            await register_with_retry(self.etcd, registration, log)
+            self.registration = registration
         except AlreadyRegistered as exc:
             raise StartupError(
                 f"--master-id {self.master_id!r} is live in etcd under another lease; "
@@ -273,8 +275,20 @@ class MasterServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         try:
-            await self.start()
-            await self._stop.wait()
+            # etcd may be unreachable for long at start-up (start retries): a stop must still work.
+            starting = asyncio.create_task(self.start())
+            stopping = asyncio.create_task(self._stop.wait())
+            try:
+                await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopping.cancel()
+                if not starting.done():
+                    starting.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await starting
+            if not self._stop.is_set():
+                starting.result()
+                await self._stop.wait()
             log.info("master %s: stop requested, draining", self.master_id)
         finally:
             await self.close()
