@@ -117,7 +117,10 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
             " (legacy agent: full capacity)" if node.legacy else "",
         )
         self.metrics.observe_node(self.registry, node_id)
+        received, acks_sent = self.metrics.received, self.metrics.acks_sent
+        received["register"].inc()
         try:
+            acks_sent.inc()
             yield self._ack(node_id, node.epoch, 0)
             bucket = TokenBucket(self.max_reports_per_s)
             async for msg in request_iterator:
@@ -131,6 +134,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                     )
                     return
                 kind = msg.WhichOneof("msg")
+                received.get(kind or "other", received["other"]).inc()
                 if kind == "leaving":
                     log.info("node %s leaving: %s", node_id, msg.leaving.reason or "no reason given")
                     return
@@ -158,6 +162,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                         await self._refuse(context, exc.code, exc.message)
                         return
                 self.metrics.observe_node(self.registry, node_id)
+                acks_sent.inc()
                 yield self._ack(node_id, self.registry.nodes[node_id].epoch, rep.seq)
         finally:
             self.registry.disconnect(node_id, stream)

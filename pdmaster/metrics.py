@@ -46,6 +46,18 @@ class MasterMetrics:
             ["reason"],
             registry=registry,
         )
+        self.agent_messages = Counter(
+            "pdcoord_agent_messages",
+            "Messages on the agent streams, by direction (received, sent) and kind",
+            ["direction", "kind"],
+            registry=registry,
+        )
+        # Bound once: a label lookup per message is measurable at a thousand nodes.
+        self.received = {
+            kind: self.agent_messages.labels(direction="received", kind=kind)
+            for kind in ("register", "report", "leaving", "other")
+        }
+        self.acks_sent = self.agent_messages.labels(direction="sent", kind="ack")
         self._stale_seen = 0
         self._known: set[str] = set()
 
