@@ -57,7 +57,13 @@ class AgentConfig:
     endpoint: str
     running_max_req_size: int
     start_args: dict[str, str] = field(default_factory=dict)
-    report_interval: float = 1.0
+    # Heartbeat: a report when nothing changed. A grant change is reported at once; liveness is
+    # gRPC keep-alive's job; so this only bounds how stale the master's view of the load gets.
+    report_interval: float = 10.0
+    # A load change (display only on the master) is reported at most this often.
+    load_report_interval: float = 2.0
+    # Engine probe period while no handover waits for the engine's count (then 0.25 s).
+    probe_interval: float = 2.0
     shares: SharePolicy = field(default_factory=SharePolicy)
     register_wait: float = 15.0
     metrics_url: str | None = None
@@ -101,6 +107,9 @@ class NodeAgent:
         self.load = EngineLoad()
         self.seq = 0
         self._kick = asyncio.Event()
+        self._probe_wake = asyncio.Event()
+        self._load_dirty = False
+        self._last_report = 0.0
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._persisted_epoch = 0
@@ -288,7 +297,7 @@ class NodeAgent:
                     link.send_now.clear()
                     link.sent_epoch = self.slicer.epoch
                     await call.write(self._report_msg(link.master_id))
-                    last_sent = time.monotonic()
+                    last_sent = self._last_report = time.monotonic()
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
@@ -341,7 +350,16 @@ class NodeAgent:
         for link in self.links.values():
             link.send_now.set()
         self._persist_wake.set()
+        self._probe_wake.set()  # a departed master's slots wait for a fresh engine sample
         self._kick.set()
+
+    def _report_period(self) -> float:
+        if self.slicer.handover_pending:
+            return self.cfg.handover_poll  # Acks move the handover on: ask for them often
+        if self.cfg.shares.policy == "demand":
+            # the split follows the masters' demand, which arrives in Acks
+            return min(self.cfg.report_interval, self.cfg.shares.rebalance_interval)
+        return self.cfg.report_interval
 
     async def _control_loop(self) -> None:
         next_report = time.monotonic()
@@ -349,10 +367,14 @@ class NodeAgent:
             now = time.monotonic()
             if self.slicer.tick(now, time.time_ns()):
                 self._changed()
-            interval = self.cfg.handover_poll if self.slicer.handover_pending else self.cfg.report_interval
+            interval = self._report_period()
             next_report = min(next_report, now + interval)
+            if self._load_dirty:
+                # load is only displayed by the masters: coalesce its changes
+                next_report = min(next_report, self._last_report + self.cfg.load_report_interval)
             if now >= next_report:
                 next_report = now + interval
+                self._load_dirty = False
                 for link in self.links.values():
                     link.send_now.set()
             wake = next_report
@@ -370,6 +392,7 @@ class NodeAgent:
 
     async def _probe_loop(self, probe: LoadProbe) -> None:
         while True:
+            self._probe_wake.clear()  # before sampling: a wake-up during the sample asks for another
             taken_at = time.monotonic()
             sample = await probe.sample()
             changed = (sample.running, sample.waiting) != (self.load.running, self.load.waiting)
@@ -379,11 +402,18 @@ class NodeAgent:
                 sample.running if sample.probe_ok else None, taken_at, time.monotonic(), time.time_ns()
             ):
                 self._changed()
-            if changed:
-                for link in self.links.values():
-                    link.send_now.set()
-            # Often enough that a crashed master's slots move on within about a second (strict mode).
-            await asyncio.sleep(min(0.25, self.cfg.report_interval / 2))
+            if changed and not self._load_dirty:
+                self._load_dirty = True
+                self._kick.set()
+            # Fast while a handover waits for the engine's count, so that a crashed master's slots
+            # move on within about a second (strict mode); slow otherwise: at a thousand nodes a
+            # probe every 0.25 s is most of an agent's work and tells the masters nothing new.
+            period = 0.25 if self.slicer.handover_pending else self.cfg.probe_interval
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(period):
+                    await self._probe_wake.wait()
+            # a wake-up right after a sample still waits a little: at most one sample per 0.1 s
+            await asyncio.sleep(max(0.0, taken_at + 0.1 - time.monotonic()))
 
     # -- health -------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

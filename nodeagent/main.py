@@ -74,7 +74,25 @@ def build_parser() -> EnvArgumentParser:
     g.add_argument("--metrics-url", default=None, help="engine Prometheus URL (default: <endpoint>/metrics)")
     g.add_argument("--no-load-probe", action="store_true", help="do not scrape the engine's /metrics")
     g = p.add_argument_group("protocol")
-    g.add_argument("--report-interval", type=positive_float, default=1.0, help="seconds between reports")
+    g.add_argument(
+        "--report-interval",
+        type=positive_float,
+        default=10.0,
+        help="heartbeat: seconds between reports when nothing changes (a grant change is reported at "
+        "once; a dead stream is noticed by gRPC keep-alive)",
+    )
+    g.add_argument(
+        "--load-report-interval",
+        type=positive_float,
+        default=2.0,
+        help="a change of the engine's load is reported at most this often",
+    )
+    g.add_argument(
+        "--probe-interval",
+        type=positive_float,
+        default=2.0,
+        help="seconds between engine load probes (0.25 s while a handover waits for the engine)",
+    )
     g.add_argument(
         "--grace",
         type=positive_float,
@@ -179,6 +197,8 @@ async def _run(args: argparse.Namespace) -> int:
         running_max_req_size=capacity,
         start_args=start_args,
         report_interval=args.report_interval,
+        load_report_interval=args.load_report_interval,
+        probe_interval=args.probe_interval,
         register_wait=args.register_wait,
         metrics_url=None
         if args.no_load_probe

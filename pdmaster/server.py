@@ -35,11 +35,13 @@ from pdmaster.routing import POLICIES, Router
 
 log = logging.getLogger(__name__)
 
-# Keep-alive so a dead or cut-off agent stream is noticed within ~0.75 s even when it sends
-# nothing: below the agents' default --grace (1 s), so a master stops using a node before the
-# agent hands its share to others (strict handover relies on this ordering).
+# Keep-alive so a silently cut agent stream is noticed within 0.5-1.5 s even when it sends nothing
+# (ping every 1 s, 0.5 s to answer). The agent hands a lost master's share to others no sooner than
+# ~2 s after such a cut (its own keep-alive: 1 s + 1 s, then --grace 1 s), so the master still stops
+# using the node first (strict handover relies on this ordering). Pings are per connection: at a
+# thousand agents a 250 ms period was half of a master's control-plane CPU.
 GRPC_SERVER_OPTIONS = [
-    ("grpc.keepalive_time_ms", 250),
+    ("grpc.keepalive_time_ms", 1000),
     ("grpc.keepalive_timeout_ms", 500),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 500),
@@ -71,6 +73,9 @@ class MasterServer:
             max_nodes=cfg.max_nodes,
             max_start_args=cfg.max_start_args,
             max_start_arg_bytes=cfg.max_start_arg_bytes,
+            # Admission hears of share changes once per event-loop tick: a failover moves the
+            # shares of every node, and re-reading all shares per message would be O(n²).
+            defer=lambda fn: asyncio.get_running_loop().call_soon(fn),
         )
         self.admission = AdmissionController(
             cfg.admission, registry=self.metrics_registry, master_id=self.master_id
