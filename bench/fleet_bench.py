@@ -87,6 +87,9 @@ class Fleet:
         self.etcd = etcd
         self.cluster = LocalCluster(group, etcd.endpoint, f"fleet-{os.getpid()}")
         self.specs = {nid: cap for nid, _role, cap in (node_spec(i) for i in range(args.nodes))}
+        self.decode = {
+            nid for nid, role, _cap in (node_spec(i) for i in range(args.nodes)) if role == "decode"
+        }
         self.live: list[str] = []
         self.swarms: list[ManagedProcess] = []
         self._next_master = 1
@@ -94,9 +97,22 @@ class Fleet:
 
     # -- checks -------------------------------------------------------------------------------
     def holds(self, master_id: str, members: list[str]) -> bool:
-        """``master_id`` holds exactly its share of the split among ``members`` on every node."""
+        """``master_id`` holds exactly its share of the split among ``members`` on every node.
+
+        Polled through the O(1) totals (decode capacity, live streams) so that the poller does not
+        load the master it measures; the per-node table is read only once the totals match.
+        """
+        url = self.cluster.masters[master_id].url + "/admission"
+        want = sum(
+            slice_shares(cap, members, nid)[master_id]
+            for nid, cap in self.specs.items()
+            if nid in self.decode
+        )
         try:
-            nodes = get_json(self.cluster.masters[master_id].url + "/admission")["nodes"]
+            totals = get_json(url + "?nodes=0")
+            if totals["capacity"] != want or totals["streams"] != len(self.specs):
+                return False
+            nodes = get_json(url)["nodes"]
         except OSError:
             return False
         held = {n["node_id"]: n["effective_share"] for n in nodes if n["connected"]}
@@ -115,7 +131,7 @@ class Fleet:
             ok = list(self.pool.map(lambda m: self.holds(m, members), pending))
             pending = [m for m, good in zip(pending, ok, strict=True) if not good]
             if pending:
-                time.sleep(0.05)
+                time.sleep(0.1)
         return time.monotonic() - t0
 
     # -- actions ------------------------------------------------------------------------------
@@ -251,6 +267,7 @@ def run_processes(args: argparse.Namespace) -> dict[str, Any]:
         try:
             fleet = Fleet(args, group, etcd)
             fleet.specs = {f"a{i:03d}": 16 + i % 4 * 16 for i in range(args.processes)}
+            fleet.decode = set(fleet.specs)
             fleet.add_master()
             fleet.add_master()
             t0 = time.monotonic()

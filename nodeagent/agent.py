@@ -86,6 +86,8 @@ class MasterLink:
     send_now: asyncio.Event = field(default_factory=asyncio.Event)
     last_ack: pb.Ack | None = None
     sent_epoch: int = -1
+    reported_at: float = 0.0  # when the last Report went out
+    acked_at: float = 0.0  # when the last Ack came in
 
 
 class NodeAgent:
@@ -297,7 +299,7 @@ class NodeAgent:
                     link.send_now.clear()
                     link.sent_epoch = self.slicer.epoch
                     await call.write(self._report_msg(link.master_id))
-                    last_sent = self._last_report = time.monotonic()
+                    last_sent = self._last_report = link.reported_at = time.monotonic()
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
@@ -330,6 +332,7 @@ class NodeAgent:
                 return
             if msg.WhichOneof("msg") == "ack":
                 link.last_ack = msg.ack
+                link.acked_at = time.monotonic()
                 if self._on_ack(link, msg.ack):
                     self._changed()
 
@@ -361,6 +364,22 @@ class NodeAgent:
             return min(self.cfg.report_interval, self.cfg.shares.rebalance_interval)
         return self.cfg.report_interval
 
+    def _worth_polling(self, link: MasterLink, now: float) -> bool:
+        """During a handover, ask a master for an Ack only when its answer can move the handover on
+        (it has not confirmed the current grant, or still runs more than it) and its answer to the
+        previous poll is in. Polling every master at 10 Hz regardless made a thousand agents flood
+        the masters during every join and failover, which slowed the handover it waited for."""
+        if not link.connected:
+            return False
+        if link.acked_at < link.reported_at and now - link.reported_at < 1.0:
+            return False  # the previous poll is unanswered (a busy master): do not pile on
+        ack = link.last_ack
+        if ack is None:
+            return True
+        return ack.applied_epoch < self.slicer.epoch or ack.active_slots > self.slicer.share_for(
+            link.master_id
+        )
+
     async def _control_loop(self) -> None:
         next_report = time.monotonic()
         while True:
@@ -375,8 +394,10 @@ class NodeAgent:
             if now >= next_report:
                 next_report = now + interval
                 self._load_dirty = False
+                polling = self.slicer.handover_pending
                 for link in self.links.values():
-                    link.send_now.set()
+                    if not polling or self._worth_polling(link, now):
+                        link.send_now.set()
             wake = next_report
             deadline = self.slicer.next_deadline()
             # A deadline already past was applied by the tick above (a grace window that ended
