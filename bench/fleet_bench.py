@@ -93,6 +93,7 @@ class Fleet:
         self.live: list[str] = []
         self.swarms: list[ManagedProcess] = []
         self._next_master = 1
+        self.transitions: list[dict[str, Any]] = []
         self.pool = ThreadPoolExecutor(16)
 
     # -- checks -------------------------------------------------------------------------------
@@ -140,14 +141,27 @@ class Fleet:
         self._next_master += 1
         return mid
 
+    def harness_cpu(self) -> float:
+        return sum(cpu_seconds(s.pid) for s in self.swarms)
+
+    def note_transition(self, what: str, wall: float, cpu0: float) -> None:
+        """How busy the agent processes were during a transition: near the machine's core count
+        means the time measured is the harness's CPU throughput, not the protocol's latency."""
+        cores = (self.harness_cpu() - cpu0) / wall if wall > 0 else 0.0
+        self.transitions.append({"what": what, "wall_s": round(wall, 3), "agent_cores_busy": round(cores, 2)})
+
     def add_master(self, timeout: float = 60.0) -> float:
         mid = self.new_master_id()
+        cpu0 = self.harness_cpu()
         t0 = time.monotonic()
         self.cluster.start_master(mid)
         self.live.append(mid)
         if self.swarms or self.cluster.agents:  # no fleet yet: nothing to hold
             self.wait_all_hold([mid], sorted(self.live), timeout)
-        return time.monotonic() - t0
+        took = time.monotonic() - t0
+        if self.swarms:
+            self.note_transition(f"join {mid}", took, cpu0)
+        return took
 
     def start_swarms(self) -> float:
         per = self.args.per_swarm
@@ -165,10 +179,13 @@ class Fleet:
         victim = self.live[len(self.live) // 2]
         self.live.remove(victim)
         proc = self.cluster.masters[victim].proc
+        cpu0 = self.harness_cpu()
         t0 = time.monotonic()
         proc.kill()
-        took = self.wait_all_hold(list(self.live), sorted(self.live), 60.0)
-        return time.monotonic() - t0 if took else 0.0
+        self.wait_all_hold(list(self.live), sorted(self.live), 60.0)
+        took = time.monotonic() - t0
+        self.note_transition(f"SIGKILL {victim}", took, cpu0)
+        return took
 
     def steady(self, window: float) -> dict[str, Any]:
         masters = {m: self.cluster.masters[m] for m in self.live}
@@ -250,6 +267,7 @@ def run_fleet(args: argparse.Namespace) -> dict[str, Any]:
                     "p99": pct(rejoins, 0.99),
                 }
                 out["by_masters"][str(count)] = row
+            out["transitions"] = fleet.transitions
             out["join_while_growing_s"] = {
                 "samples": [round(x, 3) for x in joins],
                 "p50": pct(joins, 0.5),

@@ -47,6 +47,7 @@ GRPC_CLIENT_OPTIONS = [
 _ROLE = {"prefill": pb.PREFILL, "decode": pb.DECODE}
 # At most 20 reports per second per master (the master refuses more than --max-reports-per-s, 50).
 MIN_REPORT_GAP_S = 0.05
+PERSIST_MIN_GAP_S = 1.0
 
 
 @dataclass
@@ -156,6 +157,12 @@ class NodeAgent:
                 self._persisted_epoch = epoch
                 outage.recovered()
                 backoff.reset()
+                # At most one write pair per second: a join or failover moves every node's epoch
+                # once or twice within milliseconds, and a thousand nodes writing each step is
+                # etcd's busiest moment. Epochs follow time_ns, so a restart (which takes longer
+                # than this) starts above an epoch not yet written anyway; the key guards a clock
+                # that steps back.
+                await asyncio.sleep(PERSIST_MIN_GAP_S)
             except EtcdError as exc:
                 outage.failed(exc)
                 await asyncio.sleep(backoff.next())
