@@ -74,10 +74,16 @@ def messages(m: Master) -> dict[str, float]:
 
 
 def pct(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile; None when there are no samples or it falls on a timeout."""
     if not values:
         return None
     s = sorted(values)
-    return round(s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))], 3)
+    v = s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+    return round(v, 3) if math.isfinite(v) else None
+
+
+def samples(values: list[float]) -> list[float | None]:
+    return [round(x, 3) if math.isfinite(x) else None for x in values]
 
 
 class Fleet:
@@ -94,6 +100,7 @@ class Fleet:
         self.swarms: list[ManagedProcess] = []
         self._next_master = 1
         self.transitions: list[dict[str, Any]] = []
+        self.timeouts: list[dict[str, Any]] = []
         self.pool = ThreadPoolExecutor(16)
 
     # -- checks -------------------------------------------------------------------------------
@@ -123,12 +130,23 @@ class Fleet:
             held.get(nid) == slice_shares(cap, members, nid)[master_id] for nid, cap in self.specs.items()
         )
 
+    def off_target(self, master_id: str, members: list[str]) -> int:
+        """Nodes on which ``master_id`` does not hold its share of the split (for a timeout's report)."""
+        nodes = get_json(self.cluster.masters[master_id].url + "/admission")["nodes"]
+        held = {n["node_id"]: n["effective_share"] for n in nodes if n["connected"]}
+        return sum(
+            held.get(nid) != slice_shares(cap, members, nid)[master_id] for nid, cap in self.specs.items()
+        )
+
     def wait_all_hold(self, masters: list[str], members: list[str], timeout: float) -> float:
         t0 = time.monotonic()
         pending = list(masters)
         while pending:
             if time.monotonic() - t0 > timeout:
-                raise TimeoutError(f"{pending} do not hold their shares after {timeout} s")
+                off = {m: self.off_target(m, members) for m in pending}
+                self.timeouts.append({"masters": members, "timeout_s": timeout, "nodes_off_target": off})
+                print(f"  TIMEOUT after {timeout} s: nodes off target {off}", flush=True)
+                return math.inf
             ok = list(self.pool.map(lambda m: self.holds(m, members), pending))
             pending = [m for m, good in zip(pending, ok, strict=True) if not good]
             if pending:
@@ -156,12 +174,13 @@ class Fleet:
         t0 = time.monotonic()
         self.cluster.start_master(mid)
         self.live.append(mid)
+        held = 0.0
         if self.swarms or self.cluster.agents:  # no fleet yet: nothing to hold
-            self.wait_all_hold([mid], sorted(self.live), timeout)
+            held = self.wait_all_hold([mid], sorted(self.live), timeout)
         took = time.monotonic() - t0
         if self.swarms:
             self.note_transition(f"join {mid}", took, cpu0)
-        return took
+        return took if math.isfinite(held) else math.inf
 
     def start_swarms(self) -> float:
         per = self.args.per_swarm
@@ -182,10 +201,10 @@ class Fleet:
         cpu0 = self.harness_cpu()
         t0 = time.monotonic()
         proc.kill()
-        self.wait_all_hold(list(self.live), sorted(self.live), 60.0)
+        held = self.wait_all_hold(list(self.live), sorted(self.live), 60.0)
         took = time.monotonic() - t0
         self.note_transition(f"SIGKILL {victim}", took, cpu0)
-        return took
+        return took if math.isfinite(held) else math.inf
 
     def steady(self, window: float) -> dict[str, Any]:
         masters = {m: self.cluster.masters[m] for m in self.live}
@@ -257,19 +276,20 @@ def run_fleet(args: argparse.Namespace) -> dict[str, Any]:
                         flush=True,
                     )
                 row["failover_s"] = {
-                    "samples": [round(x, 3) for x in fails],
+                    "samples": samples(fails),
                     "p50": pct(fails, 0.5),
                     "p99": pct(fails, 0.99),
                 }
                 row["join_s"] = {
-                    "samples": [round(x, 3) for x in rejoins],
+                    "samples": samples(rejoins),
                     "p50": pct(rejoins, 0.5),
                     "p99": pct(rejoins, 0.99),
                 }
                 out["by_masters"][str(count)] = row
             out["transitions"] = fleet.transitions
+            out["timeouts"] = fleet.timeouts
             out["join_while_growing_s"] = {
-                "samples": [round(x, 3) for x in joins],
+                "samples": samples(joins),
                 "p50": pct(joins, 0.5),
                 "p99": pct(joins, 0.99),
             }
