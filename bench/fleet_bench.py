@@ -349,7 +349,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
             if r[what]["p50"] is not None:
                 labels.append(f"{what.split('_')[0]}\n{c} masters")
                 p50.append(r[what]["p50"])
-                p99.append(r[what]["p99"])
+                p99.append(r[what]["p99"] if r[what]["p99"] is not None else 60.0)  # a timeout
     xs = range(len(labels))
     b.bar([i - 0.2 for i in xs], p50, 0.4, label="p50")
     b.bar([i + 0.2 for i in xs], p99, 0.4, label="p99")

@@ -87,6 +87,7 @@ class MasterLink:
     send_now: asyncio.Event = field(default_factory=asyncio.Event)
     last_ack: pb.Ack | None = None
     sent_epoch: int = -1
+    sent_share: int = -1  # the share in the last Register/Report sent on this stream
     reported_at: float = 0.0  # when the last Report went out
     acked_at: float = 0.0  # when the last Ack came in
 
@@ -112,6 +113,7 @@ class NodeAgent:
         self._kick = asyncio.Event()
         self._probe_wake = asyncio.Event()
         self._load_dirty = False
+        self._members: frozenset[str] = frozenset()
         self._last_report = 0.0
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -275,6 +277,7 @@ class NodeAgent:
             try:
                 call = pb_grpc.NodeCoordinationStub(channel).Connect()
                 link.sent_epoch = self.slicer.epoch
+                link.sent_share = self.slicer.share_for(link.master_id)
                 await call.write(self._register_msg(link.master_id))
                 first = await call.read()
                 if first is grpc.aio.EOF:
@@ -305,6 +308,7 @@ class NodeAgent:
                         await asyncio.sleep(gap)
                     link.send_now.clear()
                     link.sent_epoch = self.slicer.epoch
+                    link.sent_share = self.slicer.share_for(link.master_id)
                     await call.write(self._report_msg(link.master_id))
                     last_sent = self._last_report = link.reported_at = time.monotonic()
             except asyncio.CancelledError:
@@ -356,9 +360,19 @@ class NodeAgent:
 
     # -- control loop -------------------------------------------------------------------------
     def _changed(self) -> None:
-        """The shares changed: report to every master at once and persist the epoch."""
+        """The shares changed: report at once and persist the epoch.
+
+        A change of the split's members goes to every master (each sees the new epoch); a step of
+        a handover only to the masters whose grant moved: the others need nothing new and get the
+        epoch with the next heartbeat. Telling all M masters of every step made a join cost O(M²)
+        messages per node (each Ack of a shrinking master is a step of the newcomer's grant).
+        """
+        members = frozenset(self.slicer.shares)
+        everyone = members != self._members or not self.cfg.send_grant
+        self._members = members
         for link in self.links.values():
-            link.send_now.set()
+            if everyone or link.sent_share != self.slicer.share_for(link.master_id):
+                link.send_now.set()
         self._persist_wake.set()
         self._probe_wake.set()  # a departed master's slots wait for a fresh engine sample
         self._kick.set()
@@ -383,9 +397,8 @@ class NodeAgent:
         ack = link.last_ack
         if ack is None:
             return True
-        return ack.applied_epoch < self.slicer.epoch or ack.active_slots > self.slicer.share_for(
-            link.master_id
-        )
+        holds_more = ack.active_slots > self.slicer.share_for(link.master_id)
+        return ack.applied_epoch < link.sent_epoch or holds_more
 
     async def _control_loop(self) -> None:
         next_report = time.monotonic()
