@@ -48,6 +48,7 @@ _ROLE = {"prefill": pb.PREFILL, "decode": pb.DECODE}
 # At most 20 reports per second per master (the master refuses more than --max-reports-per-s, 50).
 MIN_REPORT_GAP_S = 0.05
 PERSIST_MIN_GAP_S = 1.0
+CHANNEL_READY_WAIT_S = 5.0
 
 
 @dataclass
@@ -271,10 +272,25 @@ class NodeAgent:
         # Jittered: after a master restarts, a thousand agents must not reconnect in lock-step.
         backoff = Backoff(0.1, max(0.1, self.cfg.reconnect_max_backoff))
         outage = Outage(log, f"stream to master {link.master_id} ({link.address})", logging.INFO)
+        # One channel for the link's life: gRPC reconnects it by itself (with its own backoff), so a
+        # master that is down costs no Python work per attempt. Creating a channel and a call per
+        # attempt was the agents' main cost while a killed master's key was still in etcd.
+        channel = grpc_channel(link.address, self.cfg.grpc_tls, GRPC_CLIENT_OPTIONS)
+        try:
+            await self._stream_on(link, channel, backoff, outage)
+        finally:
+            await channel.close(grace=None)
+
+    async def _stream_on(self, link: MasterLink, channel: Any, backoff: Backoff, outage: Outage) -> None:
         while not self._stopping:
-            channel = grpc_channel(link.address, self.cfg.grpc_tls, GRPC_CLIENT_OPTIONS)
             reader: asyncio.Task[None] | None = None
             try:
+                if outage.ongoing:
+                    # Wait until the channel connects; after a while try anyway, so that a refusal
+                    # that never heals (a TLS mismatch) is still logged with its reason.
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(CHANNEL_READY_WAIT_S):
+                            await channel.channel_ready()
                 call = pb_grpc.NodeCoordinationStub(channel).Connect()
                 link.sent_epoch = self.slicer.epoch
                 link.sent_share = self.slicer.share_for(link.master_id)
@@ -333,7 +349,6 @@ class NodeAgent:
                 if was_up and self.slicer.stream_down(link.master_id, time.monotonic(), time.time_ns()):
                     self._changed()
                 self._kick.set()  # the grace deadline may have moved
-                await channel.close(grace=None)
             await asyncio.sleep(backoff.next())
 
     async def _read_acks(self, link: MasterLink, call: Any) -> None:
