@@ -60,3 +60,53 @@ def test_master_and_agents_wait_for_etcd(proc_group: ProcessGroup, cluster_name:
     finally:
         proc_group.stop_all()
         server.stop()
+
+
+def test_backoff_is_capped_doubling_with_bounded_jitter() -> None:
+    from pdcoord.retry import Backoff
+
+    low = Backoff(0.2, 5.0, 0.5, rng=lambda: 0.0)
+    high = Backoff(0.2, 5.0, 0.5, rng=lambda: 1.0)
+    lows = [low.next() for _ in range(10)]
+    highs = [high.next() for _ in range(10)]
+    assert lows[:3] == pytest.approx([0.1, 0.2, 0.4])
+    assert highs[:3] == pytest.approx([0.3, 0.6, 1.2])
+    assert max(highs) == pytest.approx(7.5) and min(lows[5:]) == pytest.approx(2.5)
+    low.reset()
+    assert low.next() == pytest.approx(0.1)
+
+
+def test_outage_logs_its_start_and_end_once(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from pdcoord.retry import Outage
+
+    outage = Outage(logging.getLogger("t"), "etcd")
+    with caplog.at_level(logging.INFO, logger="t"):
+        for _ in range(50):
+            outage.failed("UNAVAILABLE")
+        outage.recovered()
+        outage.recovered()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "retrying" in lines[0] and "recovered after 50 failed tries" in lines[1]
+
+
+def test_registry_tells_share_listeners_once_per_batch() -> None:
+    from pdmaster.registry import DECODE, NodeRegistry
+
+    queued: list[object] = []
+    reg = NodeRegistry(defer=queued.append)
+    seen: list[dict[str, int]] = []
+    reg.subscribe(lambda shares: seen.append(dict(shares)))
+    streams = {}
+    for i in range(5):
+        _, streams[i] = reg.register(
+            node_id=f"d{i}", role=DECODE, endpoint="http://x", running_max_req_size=8, grant=(4, 1)
+        )
+    assert reg.capacity == 20 and len(seen) == 1 and len(queued) == 1
+    queued.pop()()  # type: ignore[operator]
+    assert seen[-1] == {f"d{i}": 4 for i in range(5)}
+    reg.disconnect("d2", streams[2])
+    assert [n.node_id for n in reg.live(DECODE)] == ["d0", "d1", "d3", "d4"]
+    assert reg.capacity == 16
