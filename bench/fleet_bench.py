@@ -182,7 +182,7 @@ class Fleet:
             self.note_transition(f"join {mid}", took, cpu0)
         return took if math.isfinite(held) else math.inf
 
-    def start_swarms(self) -> float:
+    def start_swarms(self, wait: bool = True) -> float:
         per = self.args.per_swarm
         t0 = time.monotonic()
         for k, first in enumerate(range(0, self.args.nodes, per)):
@@ -191,7 +191,8 @@ class Fleet:
                     "--count", str(min(per, self.args.nodes - first)),
                     "--share-policy", self.args.share_policy]  # fmt: skip
             self.swarms.append(self.group.start(f"swarm{k}", argv))
-        self.wait_all_hold(list(self.live), sorted(self.live), self.args.start_timeout)
+        if wait:
+            self.wait_all_hold(list(self.live), sorted(self.live), self.args.start_timeout)
         return time.monotonic() - t0
 
     def kill_one(self) -> float:
@@ -335,6 +336,34 @@ def run_processes(args: argparse.Namespace) -> dict[str, Any]:
             etcd.stop()
 
 
+def run_etcd_late(args: argparse.Namespace) -> dict[str, Any]:
+    """Masters and agents started while nothing listens on the etcd port; etcd comes up later."""
+    from pdcoord.netutil import free_port
+
+    with tempfile.TemporaryDirectory(prefix="fleet-late-") as tmp, ProcessGroup(Path(tmp) / "logs") as group:
+        etcd = LocalEtcd(free_port(), free_port(), data_dir=f"{tmp}/etcd", log_path=f"{tmp}/etcd.log")
+        try:
+            fleet = Fleet(args, group, etcd)
+            fleet.add_master()
+            fleet.start_swarms(wait=False)
+            time.sleep(args.etcd_late)
+            exited_before = [p.name for p in group.processes if not p.alive]
+            etcd.start()
+            took = fleet.wait_all_hold(list(fleet.live), sorted(fleet.live), args.start_timeout)
+            row = {
+                "nodes": args.nodes,
+                "etcd_started_after_s": args.etcd_late,
+                "all_connected_after_etcd_s": round(took, 2) if math.isfinite(took) else None,
+                "exited_before_etcd": exited_before,
+                "exited": [p.name for p in group.processes if not p.alive],
+            }
+            print(json.dumps(row), flush=True)
+            return row
+        finally:
+            group.stop_all(timeout=20)
+            etcd.stop()
+
+
 def plot(data: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     fleet = data["fleet"]
@@ -380,7 +409,13 @@ def main() -> None:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--share-policy", default="static")
     p.add_argument("--processes", type=int, default=0, help="also: N agent processes against 2 masters")
-    p.add_argument("--skip-fleet", action="store_true", help="only the --processes measurement")
+    p.add_argument("--skip-fleet", action="store_true", help="only --processes / --etcd-late")
+    p.add_argument(
+        "--etcd-late",
+        type=float,
+        default=0.0,
+        help="also: start a master and --nodes agents with no etcd listening, etcd after this many seconds",
+    )
     p.add_argument("--label", default="", help="stored with the results (e.g. before/after)")
     p.add_argument("--out", default=str(RESULTS / "fleet.json"))
     p.add_argument("--plot", action="store_true")
@@ -394,6 +429,8 @@ def main() -> None:
     )
     if not args.skip_fleet:
         data["fleet"] = run_fleet(args) | {"label": args.label}
+    if args.etcd_late:
+        data["etcd_late"] = run_etcd_late(args) | {"label": args.label}
     if args.processes:
         data["processes"] = run_processes(args) | {"label": args.label}
     out_path.parent.mkdir(parents=True, exist_ok=True)
