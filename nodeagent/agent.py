@@ -28,6 +28,7 @@ from pdcoord.etcd import EtcdClient, EtcdError, WatchCompacted
 from pdcoord.keys import Keys
 from pdcoord.load import EngineLoad
 from pdcoord.registration import Registration
+from pdcoord.retry import Backoff, Outage, register_with_retry
 from pdcoord.tls import ClientTLS, grpc_channel, looks_like_tls_failure
 from pdcoord.v1 import coordination_pb2 as pb
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
@@ -47,6 +48,8 @@ GRPC_CLIENT_OPTIONS = [
 _ROLE = {"prefill": pb.PREFILL, "decode": pb.DECODE}
 # At most 20 reports per second per master (the master refuses more than --max-reports-per-s, 50).
 MIN_REPORT_GAP_S = 0.05
+PERSIST_MIN_GAP_S = 1.0
+CHANNEL_READY_WAIT_S = 5.0
 
 
 @dataclass
@@ -57,7 +60,13 @@ class AgentConfig:
     endpoint: str
     running_max_req_size: int
     start_args: dict[str, str] = field(default_factory=dict)
-    report_interval: float = 1.0
+    # Heartbeat: a report when nothing changed. A grant change is reported at once; liveness is
+    # gRPC keep-alive's job; so this only bounds how stale the master's view of the load gets.
+    report_interval: float = 10.0
+    # A load change (display only on the master) is reported at most this often.
+    load_report_interval: float = 2.0
+    # Engine probe period while no handover waits for the engine's count (then 0.25 s).
+    probe_interval: float = 2.0
     shares: SharePolicy = field(default_factory=SharePolicy)
     register_wait: float = 15.0
     load_urls: tuple[str, ...] = ()  # where the engine's load is read, best first; () = no probe
@@ -86,6 +95,9 @@ class MasterLink:
     send_now: asyncio.Event = field(default_factory=asyncio.Event)
     last_ack: pb.Ack | None = None
     sent_epoch: int = -1
+    sent_share: int = -1  # the share in the last Register/Report sent on this stream
+    reported_at: float = 0.0  # when the last Report went out
+    acked_at: float = 0.0  # when the last Ack came in
 
 
 class NodeAgent:
@@ -108,6 +120,10 @@ class NodeAgent:
         self.engine = EngineHealth(cfg.health_failures, cfg.health_successes)
         self.seq = 0
         self._kick = asyncio.Event()
+        self._probe_wake = asyncio.Event()
+        self._load_dirty = False
+        self._members: frozenset[str] = frozenset()
+        self._last_report = 0.0
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._persisted_epoch = 0
@@ -139,6 +155,7 @@ class NodeAgent:
 
     async def _persist_loop(self) -> None:
         """Write the newest epoch to etcd, coalesced; a restarted agent starts above it."""
+        backoff, outage = Backoff(), Outage(log, "persisting the epoch")
         while True:
             await self._persist_wake.wait()
             self._persist_wake.clear()
@@ -150,16 +167,27 @@ class NodeAgent:
                 if self.registration is not None:
                     await self.registration.update(self._node_value())
                 self._persisted_epoch = epoch
+                outage.recovered()
+                backoff.reset()
+                # At most one write pair per second: a join or failover moves every node's epoch
+                # once or twice within milliseconds, and a thousand nodes writing each step is
+                # etcd's busiest moment. Epochs follow time_ns, so a restart (which takes longer
+                # than this) starts above an epoch not yet written anyway; the key guards a clock
+                # that steps back.
+                await asyncio.sleep(PERSIST_MIN_GAP_S)
             except EtcdError as exc:
-                log.warning("could not persist epoch %d: %s; retrying", epoch, exc)
-                await asyncio.sleep(0.5)
+                outage.failed(exc)
+                await asyncio.sleep(backoff.next())
                 self._persist_wake.set()
 
     async def _watch_masters(self) -> None:
         prefix = self.keys.masters_prefix
+        backoff, outage = Backoff(), Outage(log, "masters watch")
         while True:
             try:
                 kvs, revision = await self.etcd.get_prefix(prefix)
+                outage.recovered()
+                backoff.reset()
                 current: dict[str, str] = {}
                 for kv in kvs:
                     mid, addr = self._parse_master(kv.key, kv.value)
@@ -180,8 +208,8 @@ class NodeAgent:
             except WatchCompacted:
                 log.info("masters watch compacted; re-listing")
             except EtcdError as exc:
-                log.warning("masters watch failed (%s); retrying", exc)
-                await asyncio.sleep(0.5)
+                outage.failed(exc)
+                await asyncio.sleep(backoff.next())
 
     def _parse_master(self, key: str, value: bytes) -> tuple[str, str]:
         try:
@@ -254,20 +282,39 @@ class NodeAgent:
         return pb.AgentMessage(report=rep)
 
     async def _stream(self, link: MasterLink) -> None:
-        backoff = 0.1
+        # Jittered: after a master restarts, a thousand agents must not reconnect in lock-step.
+        backoff = Backoff(0.1, max(0.1, self.cfg.reconnect_max_backoff))
+        outage = Outage(log, f"stream to master {link.master_id} ({link.address})", logging.INFO)
+        # One channel for the link's life: gRPC reconnects it by itself (with its own backoff), so a
+        # master that is down costs no Python work per attempt. Creating a channel and a call per
+        # attempt was the agents' main cost while a killed master's key was still in etcd.
+        channel = grpc_channel(link.address, self.cfg.grpc_tls, GRPC_CLIENT_OPTIONS)
+        try:
+            await self._stream_on(link, channel, backoff, outage)
+        finally:
+            await channel.close(grace=None)
+
+    async def _stream_on(self, link: MasterLink, channel: Any, backoff: Backoff, outage: Outage) -> None:
         while not self._stopping:
-            channel = grpc_channel(link.address, self.cfg.grpc_tls, GRPC_CLIENT_OPTIONS)
             reader: asyncio.Task[None] | None = None
             try:
+                if outage.ongoing:
+                    # Wait until the channel connects; after a while try anyway, so that a refusal
+                    # that never heals (a TLS mismatch) is still logged with its reason.
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(CHANNEL_READY_WAIT_S):
+                            await channel.channel_ready()
                 call = pb_grpc.NodeCoordinationStub(channel).Connect()
                 link.sent_epoch = self.slicer.epoch
+                link.sent_share = self.slicer.share_for(link.master_id)
                 await call.write(self._register_msg(link.master_id))
                 first = await call.read()
                 if first is grpc.aio.EOF:
                     raise ConnectionError("master closed the stream before acknowledging Register")
                 link.last_ack = first.ack
                 link.call, link.connected = call, True
-                backoff = 0.1
+                backoff.reset()
+                outage.recovered()
                 log.info("stream to master %s (%s) up", link.master_id, link.address)
                 changed = self.slicer.stream_up(link.master_id, time.monotonic(), time.time_ns())
                 if self._on_ack(link, first.ack) or changed:
@@ -290,8 +337,9 @@ class NodeAgent:
                         await asyncio.sleep(gap)
                     link.send_now.clear()
                     link.sent_epoch = self.slicer.epoch
+                    link.sent_share = self.slicer.share_for(link.master_id)
                     await call.write(self._report_msg(link.master_id))
-                    last_sent = time.monotonic()
+                    last_sent = self._last_report = link.reported_at = time.monotonic()
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
@@ -303,16 +351,9 @@ class NodeAgent:
                         logging.ERROR,
                         " (TLS: check --grpc-tls-ca/--grpc-tls-cert/--grpc-tls-server-name)",
                     )
-                log.log(
-                    level,
-                    "stream to master %s: %s %s%s",
-                    link.master_id,
-                    exc.code().name,
-                    exc.details(),
-                    hint,
-                )
+                outage.failed(f"{exc.code().name} {exc.details()}{hint}", level)
             except (ConnectionError, grpc.aio.UsageError) as exc:
-                log.info("stream to master %s ended: %s", link.master_id, exc)
+                outage.failed(f"ended: {exc}")
             finally:
                 if reader is not None:
                     reader.cancel()
@@ -321,9 +362,7 @@ class NodeAgent:
                 if was_up and self.slicer.stream_down(link.master_id, time.monotonic(), time.time_ns()):
                     self._changed()
                 self._kick.set()  # the grace deadline may have moved
-                await channel.close(grace=None)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.cfg.reconnect_max_backoff)
+            await asyncio.sleep(backoff.next())
 
     async def _read_acks(self, link: MasterLink, call: Any) -> None:
         while True:
@@ -332,6 +371,7 @@ class NodeAgent:
                 return
             if msg.WhichOneof("msg") == "ack":
                 link.last_ack = msg.ack
+                link.acked_at = time.monotonic()
                 if self._on_ack(link, msg.ack):
                     self._changed()
 
@@ -348,11 +388,45 @@ class NodeAgent:
 
     # -- control loop -------------------------------------------------------------------------
     def _changed(self) -> None:
-        """The shares changed: report to every master at once and persist the epoch."""
+        """The shares changed: report at once and persist the epoch.
+
+        A change of the split's members goes to every master (each sees the new epoch); a step of
+        a handover only to the masters whose grant moved: the others need nothing new and get the
+        epoch with the next heartbeat. Telling all M masters of every step made a join cost O(M²)
+        messages per node (each Ack of a shrinking master is a step of the newcomer's grant).
+        """
+        members = frozenset(self.slicer.shares)
+        everyone = members != self._members or not self.cfg.send_grant
+        self._members = members
         for link in self.links.values():
-            link.send_now.set()
+            if everyone or link.sent_share != self.slicer.share_for(link.master_id):
+                link.send_now.set()
         self._persist_wake.set()
+        self._probe_wake.set()  # a departed master's slots wait for a fresh engine sample
         self._kick.set()
+
+    def _report_period(self) -> float:
+        if self.slicer.handover_pending:
+            return self.cfg.handover_poll  # Acks move the handover on: ask for them often
+        if self.cfg.shares.policy == "demand":
+            # the split follows the masters' demand, which arrives in Acks
+            return min(self.cfg.report_interval, self.cfg.shares.rebalance_interval)
+        return self.cfg.report_interval
+
+    def _worth_polling(self, link: MasterLink, now: float) -> bool:
+        """During a handover, ask a master for an Ack only when its answer can move the handover on
+        (it has not confirmed the current grant, or still runs more than it) and its answer to the
+        previous poll is in. Polling every master at 10 Hz regardless made a thousand agents flood
+        the masters during every join and failover, which slowed the handover it waited for."""
+        if not link.connected:
+            return False
+        if link.acked_at < link.reported_at and now - link.reported_at < 1.0:
+            return False  # the previous poll is unanswered (a busy master): do not pile on
+        ack = link.last_ack
+        if ack is None:
+            return True
+        holds_more = ack.active_slots > self.slicer.share_for(link.master_id)
+        return ack.applied_epoch < link.sent_epoch or holds_more
 
     async def _control_loop(self) -> None:
         next_report = time.monotonic()
@@ -360,12 +434,18 @@ class NodeAgent:
             now = time.monotonic()
             if self.slicer.tick(now, time.time_ns()):
                 self._changed()
-            interval = self.cfg.handover_poll if self.slicer.handover_pending else self.cfg.report_interval
+            interval = self._report_period()
             next_report = min(next_report, now + interval)
+            if self._load_dirty:
+                # load is only displayed by the masters: coalesce its changes
+                next_report = min(next_report, self._last_report + self.cfg.load_report_interval)
             if now >= next_report:
                 next_report = now + interval
+                self._load_dirty = False
+                polling = self.slicer.handover_pending
                 for link in self.links.values():
-                    link.send_now.set()
+                    if not polling or self._worth_polling(link, now):
+                        link.send_now.set()
             wake = next_report
             deadline = self.slicer.next_deadline()
             # A deadline already past was applied by the tick above (a grace window that ended
@@ -381,6 +461,7 @@ class NodeAgent:
 
     async def _probe_loop(self, probe: LoadProbe) -> None:
         while True:
+            self._probe_wake.clear()  # before sampling: a wake-up during the sample asks for another
             taken_at = time.monotonic()
             sample = await probe.sample()
             changed = (sample.running, sample.waiting) != (self.load.running, self.load.waiting)
@@ -390,11 +471,18 @@ class NodeAgent:
                 sample.running if sample.probe_ok else None, taken_at, time.monotonic(), time.time_ns()
             ):
                 self._changed()
-            if changed:
-                for link in self.links.values():
-                    link.send_now.set()
-            # Often enough that a crashed master's slots move on within about a second (strict mode).
-            await asyncio.sleep(min(0.25, self.cfg.report_interval / 2))
+            if changed and not self._load_dirty:
+                self._load_dirty = True
+                self._kick.set()
+            # Fast while a handover waits for the engine's count, so that a crashed master's slots
+            # move on within about a second (strict mode); slow otherwise: at a thousand nodes a
+            # probe every 0.25 s is most of an agent's work and tells the masters nothing new.
+            period = 0.25 if self.slicer.handover_pending else self.cfg.probe_interval
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(period):
+                    await self._probe_wake.wait()
+            # a wake-up right after a sample still waits a little: at most one sample per 0.1 s
+            await asyncio.sleep(max(0.0, taken_at + 0.1 - time.monotonic()))
 
     async def _health_loop(self, session: aiohttp.ClientSession) -> None:
         """Check the engine's liveness; report to every master at once when the verdict flips. The
@@ -461,13 +549,22 @@ class NodeAgent:
         await web.TCPSite(self._health, self.cfg.health_host, self.cfg.health_port).start()
 
     # -- lifecycle ----------------------------------------------------------------------------
-    async def start(self) -> None:
-        await self.etcd.connect()
+    async def _restore_epoch(self) -> None:
         self.slicer.restore_epoch(await self._stored_epoch())
-        self.registration = Registration(
+
+    async def start(self) -> None:
+        """Register in etcd, retrying for as long as etcd is unreachable; then run the loops.
+
+        Raises only on a configuration error: etcd TLS or credentials, or the node id still held by
+        another live agent after ``register_wait``.
+        """
+        registration = Registration(
             self.etcd, self.keys.node(self.cfg.node_id), self._node_value, ttl=self.cfg.etcd.lease_ttl
         )
-        await self.registration.start(wait=self.cfg.register_wait)
+        await register_with_retry(
+            self.etcd, registration, log, held_wait=self.cfg.register_wait, before=self._restore_epoch
+        )
+        self.registration = registration
         await self._start_health()
         self._tasks.append(asyncio.create_task(self._persist_loop(), name="persist"))
         self._tasks.append(asyncio.create_task(self._watch_masters(), name="watch-masters"))

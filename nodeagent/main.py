@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import signal
 import sys
@@ -114,7 +115,25 @@ def build_parser() -> EnvArgumentParser:
         help="do not check the engine's liveness (it then always counts as up)",
     )
     g = p.add_argument_group("protocol")
-    g.add_argument("--report-interval", type=positive_float, default=1.0, help="seconds between reports")
+    g.add_argument(
+        "--report-interval",
+        type=positive_float,
+        default=10.0,
+        help="heartbeat: seconds between reports when nothing changes (a grant change is reported at "
+        "once; a dead stream is noticed by gRPC keep-alive)",
+    )
+    g.add_argument(
+        "--load-report-interval",
+        type=positive_float,
+        default=2.0,
+        help="a change of the engine's load is reported at most this often",
+    )
+    g.add_argument(
+        "--probe-interval",
+        type=positive_float,
+        default=2.0,
+        help="seconds between engine load probes (0.25 s while a handover waits for the engine)",
+    )
     g.add_argument(
         "--grace",
         type=positive_float,
@@ -218,7 +237,8 @@ async def _run(args: argparse.Namespace) -> int:
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         return 2
     capacity, bootstrap_port, model = args.running_max_req_size, args.bootstrap_port, args.model
-    if capacity is None or model is None or (args.role == "prefill" and bootstrap_port is None):
+    # The model is only informative: the engine is asked for it when it is asked anyway.
+    if capacity is None or (args.role == "prefill" and bootstrap_port is None):
         try:
             info = await _discover(args.endpoint)
         except asyncio.CancelledError:
@@ -257,6 +277,8 @@ async def _run(args: argparse.Namespace) -> int:
         running_max_req_size=capacity,
         start_args=start_args,
         report_interval=args.report_interval,
+        load_report_interval=args.load_report_interval,
+        probe_interval=args.probe_interval,
         register_wait=args.register_wait,
         load_urls=()
         if args.no_load_probe
@@ -286,8 +308,21 @@ async def _run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # etcd may be unreachable for a long time at start-up (the agent retries): a stop request
+    # must still end the process promptly.
+    starting = asyncio.create_task(agent.start())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        stopping.cancel()
+        await agent.stop()
+        return 0
+    stopping.cancel()
     try:
-        await agent.start()
+        starting.result()
     except AlreadyRegistered as exc:
         print(
             f"nodeagent: error: --node-id {args.node_id!r} is held by another live agent "
@@ -296,7 +331,7 @@ async def _run(args: argparse.Namespace) -> int:
         )
         await agent.stop()
         return 2
-    except EtcdError as exc:
+    except EtcdError as exc:  # only configuration errors (TLS, credentials) get here: retrying cannot help
         print(f"nodeagent: error: etcd: {exc}", file=sys.stderr)
         await agent.stop()
         return 2

@@ -569,6 +569,8 @@ class AdmissionCore:
         if eff == self._shares:
             return self._end()
         for node in set(self._shares) | set(eff):
+            if self._shares.get(node) == eff.get(node):
+                continue  # untouched: a share change on one node of a thousand costs O(1) heap work
             self._shares.pop(node, None)
             if node in eff:
                 self._shares[node] = eff[node]

@@ -125,7 +125,10 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         if node.engine_down:
             log.warning("node %s registered with its engine down: %s", node_id, node.engine_reason or "?")
         self.metrics.observe_node(self.registry, node_id)
+        received, acks_sent = self.metrics.received, self.metrics.acks_sent
+        received["register"].inc()
         try:
+            acks_sent.inc()
             yield self._ack(node_id, node.epoch, 0)
             bucket = TokenBucket(self.max_reports_per_s)
             async for msg in request_iterator:
@@ -139,6 +142,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                     )
                     return
                 kind = msg.WhichOneof("msg")
+                received.get(kind or "other", received["other"]).inc()
                 if kind == "leaving":
                     log.info("node %s leaving: %s", node_id, msg.leaving.reason or "no reason given")
                     return
@@ -177,6 +181,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                         await self._refuse(context, exc.code, exc.message)
                         return
                 self.metrics.observe_node(self.registry, node_id)
+                acks_sent.inc()
                 yield self._ack(node_id, self.registry.nodes[node_id].epoch, rep.seq)
         finally:
             self.registry.disconnect(node_id, stream)

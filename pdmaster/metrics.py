@@ -65,28 +65,46 @@ class MasterMetrics:
             ["reason"],
             registry=registry,
         )
+        self.agent_messages = Counter(
+            "pdcoord_agent_messages",
+            "Messages on the agent streams, by direction (received, sent) and kind",
+            ["direction", "kind"],
+            registry=registry,
+        )
+        # Bound once: a label lookup per message is measurable at a thousand nodes.
+        self.received = {
+            kind: self.agent_messages.labels(direction="received", kind=kind)
+            for kind in ("register", "report", "leaving", "other")
+        }
+        self.acks_sent = self.agent_messages.labels(direction="sent", kind="ack")
         self._stale_seen = 0
         self._known: set[str] = set()
+        self._last: dict[str, tuple[int, int, bool, bool]] = {}
 
     def observe_node(self, reg: NodeRegistry, node_id: str) -> None:
         """Mirror one node's entry and the totals: O(1) per agent message."""
         node = reg.nodes.get(node_id)
         self.capacity.set(reg.capacity)
         self.streams.set(reg.connected_streams)
+        if reg.stale_total > self._stale_seen:
+            self.stale_reports.inc(reg.stale_total - self._stale_seen)
+            self._stale_seen = reg.stale_total
         if node is None:
+            self._last.pop(node_id, None)
             if node_id in self._known:
                 self._known.discard(node_id)
                 for g in (self.node_epoch, self.node_connected):
                     g.remove(node_id)
             return
         self._known.add(node_id)
+        state = (node.effective_share, node.epoch, node.connected, node.usable)
+        if self._last.get(node_id) == state:
+            return  # a heartbeat: skip three label lookups per message
+        self._last[node_id] = state
         self.node_share.labels(node=node.node_id, role=node.role).set(node.effective_share)
         self.node_epoch.labels(node=node.node_id).set(node.epoch)
         self.node_connected.labels(node=node.node_id).set(1 if node.connected else 0)
         self.node_engine_up.labels(node=node.node_id, role=node.role).set(1 if node.usable else 0)
-        if reg.stale_total > self._stale_seen:
-            self.stale_reports.inc(reg.stale_total - self._stale_seen)
-            self._stale_seen = reg.stale_total
 
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

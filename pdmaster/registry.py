@@ -135,7 +135,10 @@ class NodeRegistry:
         max_nodes: int = 10_000,
         max_start_args: int = 64,
         max_start_arg_bytes: int = 1024,
+        defer: Callable[[Callable[[], None]], object] | None = None,
     ) -> None:
+        """``defer(fn)``: run ``fn`` soon (e.g. ``loop.call_soon``); share listeners are then told
+        once per batch of changes instead of once per message. None: at once (tests, pure use)."""
         self.max_node_capacity = max_node_capacity
         self.max_nodes = max_nodes
         self.max_start_args = max_start_args
@@ -148,10 +151,15 @@ class NodeRegistry:
         self.stale_total = 0
         self._connected = 0
         self._capacity = 0
-        self._live: dict[str, list[Node]] = {}
         # State of this master's circuit breaker per node id when not closed; kept across
         # re-registrations (it is about the engine, not the stream).
         self._breaker_states: dict[str, str] = {}
+        self._defer = defer
+        self._notify_pending = False
+        # Live nodes (share over a live stream) by role, kept per change: O(1) per agent message.
+        self._live_by_role: dict[str, dict[str, Node]] = {PREFILL: {}, DECODE: {}}
+        self._live_role: dict[str, str] = {}
+        self._live_sorted: dict[str, list[Node] | None] = {PREFILL: [], DECODE: []}
 
     # -- subscription -------------------------------------------------------------------------
     def subscribe(self, listener: SharesListener) -> None:
@@ -171,32 +179,41 @@ class NodeRegistry:
     def capacity(self) -> int:
         return self._capacity
 
-    def _publish(self) -> None:
-        # Called only when a stream or a share changes, so the per-request views stay O(1).
-        before = self._live
-        self._live = {
-            role: sorted((n for n in self.nodes.values() if n.role == role and n.effective_share > 0),
-                         key=lambda n: n.node_id)
-            for role in (PREFILL, DECODE)
-        }  # fmt: skip
-        if self._left_listeners:
-            for role, nodes in before.items():
-                now = {n.node_id for n in self._live[role]}
-                for n in nodes:
-                    if n.node_id not in now:
-                        for left in self._left_listeners:
-                            left(n.node_id, role)
-        shares = {
-            n.node_id: n.effective_share
-            for n in self.nodes.values()
-            if n.role == DECODE and n.effective_share > 0
-        }
-        if shares == self._decode_shares:
+    def _publish(self, node_id: str) -> None:
+        """One node's stream or share changed: update the live sets and decode shares in O(1)."""
+        node = self.nodes.get(node_id)
+        role = node.role if node is not None and node.effective_share > 0 else None
+        was = self._live_role.get(node_id)
+        if was is not None and (was != role or self._live_by_role[was].get(node_id) is not node):
+            del self._live_by_role[was][node_id]
+            del self._live_role[node_id]
+            self._live_sorted[was] = None
+        if role is not None and node is not None and node_id not in self._live_role:
+            self._live_by_role[role][node_id] = node
+            self._live_role[node_id] = role
+            self._live_sorted[role] = None
+        if was is not None and was != role:
+            for left in self._left_listeners:
+                left(node_id, was)
+        share = node.effective_share if node is not None and role == DECODE else 0
+        old = self._decode_shares.get(node_id, 0)
+        if share == old:
             return  # epoch-only or load-only changes never disturb admission
-        self._decode_shares = shares
-        self._capacity = sum(shares.values())
+        if share:
+            self._decode_shares[node_id] = share
+        else:
+            del self._decode_shares[node_id]
+        self._capacity += share - old
+        if self._defer is None:
+            self._notify()
+        elif not self._notify_pending:
+            self._notify_pending = True
+            self._defer(self._notify)
+
+    def _notify(self) -> None:
+        self._notify_pending = False
         for listener in self._listeners:
-            listener(dict(shares))
+            listener(dict(self._decode_shares))
 
     # -- protocol -----------------------------------------------------------------------------
     def register(
@@ -291,7 +308,7 @@ class NodeRegistry:
             node.stale_reports = max(node.stale_reports, old.stale_reports)
         self.nodes[node_id] = node
         self._connected += 1
-        self._publish()
+        self._publish(node_id)
         return node, node.stream
 
     def _check_start_args(self, node_id: str, start_args: Mapping[str, str]) -> None:
@@ -334,7 +351,7 @@ class NodeRegistry:
         if node.legacy:
             node.legacy = False
         node.share, node.epoch = share, epoch
-        self._publish()
+        self._publish(node_id)
         return GrantResult.APPLIED
 
     def report_load(self, node_id: str, stream: int, load: EngineLoad) -> None:
@@ -352,7 +369,7 @@ class NodeRegistry:
         if node.engine_down == down:
             return False
         node.engine_down = down
-        self._publish()
+        self._publish(node_id)
         return True
 
     def set_breaker(self, node_id: str, state: str, reason: str = "") -> bool:
@@ -370,7 +387,7 @@ class NodeRegistry:
             node.breaker_reason = reason[:MAX_REASON_CHARS]
             node.breaker_state = state
             if state != before:
-                self._publish()
+                self._publish(node_id)
         return state != before
 
     def disconnect(self, node_id: str, stream: int) -> None:
@@ -380,7 +397,7 @@ class NodeRegistry:
             return
         node.connected = False
         self._connected -= 1
-        self._publish()
+        self._publish(node_id)
 
     def _owned(self, node_id: str, stream: int) -> Node:
         node = self.nodes.get(node_id)
@@ -392,7 +409,13 @@ class NodeRegistry:
     def live(self, role: str) -> list[Node]:
         """Nodes of ``role`` holding a share over a live stream with a usable engine, sorted by id
         (cached, do not mutate)."""
-        return self._live.get(role, [])
+        if role not in self._live_by_role:
+            return []
+        cached = self._live_sorted[role]
+        if cached is None:
+            cached = sorted(self._live_by_role[role].values(), key=lambda n: n.node_id)
+            self._live_sorted[role] = cached
+        return cached
 
     def snapshot(self) -> list[dict[str, object]]:
         return [n.as_json() for n in sorted(self.nodes.values(), key=lambda n: n.node_id)]

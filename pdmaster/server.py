@@ -4,6 +4,7 @@ NodeCoordination server, the HTTP servers, draining on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -20,6 +21,7 @@ from pdcoord import __version__
 from pdcoord.etcd import EtcdClient
 from pdcoord.keys import Keys
 from pdcoord.registration import AlreadyRegistered, Registration
+from pdcoord.retry import register_with_retry
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
 from pdmaster.admission_controller import AdmissionController
 from pdmaster.api import ControlRoutes, OpenAIRoutes, api_key_middleware, harden_aiohttp, load_api_keys
@@ -35,12 +37,14 @@ from pdmaster.routing import POLICIES, Router
 
 log = logging.getLogger(__name__)
 
-# Keep-alive so a dead or cut-off agent stream is noticed within ~0.75 s even when it sends
-# nothing: below the agents' default --grace (1 s), so a master stops using a node before the
-# agent hands its share to others (strict handover relies on this ordering).
+# Keep-alive so a silently cut agent stream is noticed within 0.75 s even when it sends nothing
+# (ping every 0.5 s, 0.25 s to answer): below the agents' default --grace (1 s) and the second an
+# agent allows a master to notice a lost node, so a master stops using a node before the agent hands
+# its share to others (strict handover relies on this ordering). Pings are per connection: at a
+# thousand agents the former 250 ms period was about half of a master's control-plane CPU.
 GRPC_SERVER_OPTIONS = [
-    ("grpc.keepalive_time_ms", 250),
-    ("grpc.keepalive_timeout_ms", 500),
+    ("grpc.keepalive_time_ms", 500),
+    ("grpc.keepalive_timeout_ms", 250),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 500),
     ("grpc.http2.max_pings_without_data", 0),
@@ -71,6 +75,9 @@ class MasterServer:
             max_nodes=cfg.max_nodes,
             max_start_args=cfg.max_start_args,
             max_start_arg_bytes=cfg.max_start_arg_bytes,
+            # Admission hears of share changes once per event-loop tick: a failover moves the
+            # shares of every node, and re-reading all shares per message would be O(n²).
+            defer=lambda fn: asyncio.get_running_loop().call_soon(fn),
         )
         self.admission = AdmissionController(
             cfg.admission, registry=self.metrics_registry, master_id=self.master_id
@@ -241,7 +248,6 @@ class MasterServer:
                 self.admin_runner, admin_host, cfg.admin_port, "--admin-port"
             )
 
-        await self.etcd.connect()
         advertise = cfg.advertise_host or cfg.grpc_host
         value = json.dumps(
             {
@@ -252,11 +258,12 @@ class MasterServer:
                 "started_at": time.time(),
             }
         ).encode()
-        self.registration = Registration(
-            self.etcd, self.keys.master(self.master_id), value, ttl=cfg.etcd.lease_ttl
-        )
+        key = self.keys.master(self.master_id)
+        registration = Registration(self.etcd, key, value, ttl=cfg.etcd.lease_ttl)
         try:
-            await self.registration.start()
+            # Retries for as long as etcd is unreachable; raises only on a configuration error.
+            await register_with_retry(self.etcd, registration, log)
+            self.registration = registration
         except AlreadyRegistered as exc:
             raise StartupError(
                 f"--master-id {self.master_id!r} is live in etcd under another lease; "
@@ -316,8 +323,20 @@ class MasterServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         try:
-            await self.start()
-            await self._stop.wait()
+            # etcd may be unreachable for long at start-up (start retries): a stop must still work.
+            starting = asyncio.create_task(self.start())
+            stopping = asyncio.create_task(self._stop.wait())
+            try:
+                await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopping.cancel()
+                if not starting.done():
+                    starting.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await starting
+            if not self._stop.is_set():
+                starting.result()
+                await self._stop.wait()
             log.info("master %s: stop requested, draining", self.master_id)
         finally:
             await self.close()

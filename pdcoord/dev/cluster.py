@@ -228,6 +228,8 @@ class LocalCluster:
             extra.setdefault("no_load_probe", True)
             extra.setdefault("no_health_check", True)  # nothing answers there: it would count as down
             extra.setdefault("handover", "fast")
+            if role == "prefill":  # a prefill agent would otherwise ask its (absent) engine for one
+                extra.setdefault("bootstrap_port", free_port())
         endpoint = endpoint or f"http://127.0.0.1:{free_port()}"
         argv = self._module("nodeagent") + [
             "--etcd", self.etcd, "--cluster", self.cluster, "--node-id", node_id,

@@ -107,13 +107,22 @@ def test_duplicate_master_and_node_ids_are_refused(cluster: LocalCluster) -> Non
 
 
 def test_missing_capacity_is_read_from_engine_or_fails_clearly(cluster: LocalCluster) -> None:
-    bad = subprocess.run(
-        [sys.executable, "-m", "nodeagent", "--etcd", cluster.etcd, "--cluster", cluster.cluster,
-         "--node-id", "dx", "--role", "decode", "--endpoint", "http://127.0.0.1:9"],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+    argv = [sys.executable, "-m", "nodeagent", "--etcd", cluster.etcd, "--cluster", cluster.cluster,
+            "--node-id", "dx", "--role", "decode", "--endpoint"]  # fmt: skip
+    # An engine that does not answer yet (in a pod it is still loading its model): the agent waits.
+    waiting = subprocess.Popen([*argv, "http://127.0.0.1:9"], stderr=subprocess.PIPE, text=True)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(timeout=3)
+    finally:
+        waiting.kill()
+        _, err = waiting.communicate(timeout=10)
+    assert "waiting for the engine" in err
+    # An engine that answers but does not publish its limit (vLLM): a clear error naming the flag.
+    vllm = cluster.start_engine("v1", "decode", 4, api="vllm")
+    bad = subprocess.run([*argv, vllm.url], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2
-    assert "--running-max-req-size" in bad.stderr and "get_server_info" in bad.stderr
+    assert "--running-max-req-size" in bad.stderr and "max_running_requests" in bad.stderr
 
 
 def test_legacy_agent_beside_new_agents(cluster: LocalCluster) -> None:

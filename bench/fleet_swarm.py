@@ -1,0 +1,109 @@
+"""Many real node agents in one asyncio process, for the fleet benchmark.
+
+Each node is a full ``nodeagent.agent.NodeAgent``: its own etcd client, registration and lease,
+masters watch, one gRPC channel and stream per master, load probe. Only the process is shared (a
+thousand Python processes do not fit on a bench machine). A tiny aiohttp server in the same process
+stands in for the engines: ``GET /n/<node_id>/metrics`` answers an idle SGLang engine's load.
+
+Nodes ``--first`` .. ``--first + --count - 1`` of the fleet; the role and capacity of node i come
+from :func:`node_spec`, so the benchmark knows them without asking. Prints one JSON line when every
+agent has started (``{"started": n, "seconds": s}``), runs until SIGTERM, then stops the agents
+gracefully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import signal
+import time
+
+from aiohttp import web
+
+import nodeagent.agent as agent_mod
+from nodeagent.agent import AgentConfig, NodeAgent
+from nodeagent.slicing import SharePolicy
+from pdcoord.config import EtcdSettings
+
+IDLE_METRICS = "sglang:num_running_reqs 0\nsglang:num_queue_reqs 0\nsglang:token_usage 0.0\n"
+
+
+def node_spec(i: int) -> tuple[str, str, int]:
+    """(node_id, role, running_max_req_size) of fleet node i: 1 prefill in 4; decode 32-256 slots."""
+    digest = hashlib.sha256(f"node-{i}".encode()).digest()
+    if i % 4 == 0:
+        return f"p{i:05d}", "prefill", 256
+    return f"d{i:05d}", "decode", 32 * (1 + digest[0] % 8)
+
+
+async def _engine() -> tuple[web.AppRunner, int]:
+    async def metrics(_r: web.Request) -> web.Response:
+        return web.Response(text=IDLE_METRICS)
+
+    app = web.Application()
+    app.router.add_get("/n/{node}/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    return runner, port
+
+
+async def run(args: argparse.Namespace) -> None:
+    # One TCP connection per agent and master, as in a real fleet: gRPC would otherwise share one
+    # connection among all channels of this process to the same master.
+    agent_mod.GRPC_CLIENT_OPTIONS = [*agent_mod.GRPC_CLIENT_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+    runner, port = await _engine()
+    etcd = EtcdSettings([args.etcd], args.cluster, None, args.lease_ttl)
+    agents = []
+    for i in range(args.first, args.first + args.count):
+        node_id, role, capacity = node_spec(i)
+        agents.append(
+            NodeAgent(
+                AgentConfig(
+                    etcd=etcd,
+                    node_id=node_id,
+                    role=role,
+                    endpoint=f"http://127.0.0.1:{port}/n/{node_id}",
+                    running_max_req_size=capacity,
+                    start_args={"bootstrap_port": str(20000 + i % 10000)} if role == "prefill" else {},
+                    load_urls=(f"http://127.0.0.1:{port}/n/{node_id}/metrics",),
+                    shares=SharePolicy(policy=args.share_policy, handover=args.handover),
+                    **({"report_interval": args.report_interval} if args.report_interval else {}),
+                )
+            )
+        )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    t0 = time.monotonic()
+    await asyncio.gather(*(a.start() for a in agents))
+    print(json.dumps({"started": len(agents), "seconds": round(time.monotonic() - t0, 3)}), flush=True)
+    await stop.wait()
+    await asyncio.gather(*(a.stop() for a in agents), return_exceptions=True)
+    await runner.cleanup()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--etcd", required=True)
+    p.add_argument("--cluster", required=True)
+    p.add_argument("--first", type=int, default=0)
+    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--lease-ttl", type=int, default=5)
+    p.add_argument("--share-policy", default="static")
+    p.add_argument("--handover", default="strict")
+    p.add_argument("--report-interval", type=float, default=0.0, help="0: the agent's default")
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args()
+    logging.basicConfig(level=args.log_level, format="%(asctime)s swarm %(levelname)s %(name)s: %(message)s")
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()
