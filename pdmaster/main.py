@@ -162,7 +162,7 @@ def build_parser() -> EnvArgumentParser:
         type=non_negative_int,
         default=1,
         help="times a request whose prefill or decode failed before any byte reached the client is "
-        "tried again on another pair (response header X-Retries)",
+        "tried again on another pair (response header X-Retries when it was)",
     )
     g.add_argument(
         "--engine-connect-timeout",

@@ -138,7 +138,8 @@ class RequestPipeline:
                             ) from None  # fmt: skip
                         finally:
                             self._settle(ctx, None)
-                        ctx.headers["X-Retries"] = str(ctx.retries)
+                        if ctx.retries:
+                            ctx.headers["X-Retries"] = str(ctx.retries)
                         try:
                             if parts is not None:
                                 return await self.relay_parts(ctx, parts, answers)
