@@ -6,8 +6,13 @@ client error (4xx) says nothing about the engine.
 
 * **closed**: requests flow; ``failures`` failures in a row open it (a success resets the count);
 * **open**: no request may use the node until ``backoff`` seconds have passed;
-* **half-open**: exactly one trial request may use it: a success closes the breaker (and resets the
-  backoff); a failure opens it again with the backoff doubled, capped at ``backoff_max``.
+* **half-open**: exactly one trial request may use it: a success closes the breaker; a failure opens
+  it again with the backoff doubled, capped at ``backoff_max``.
+
+No thrashing: a breaker closed by one lucky trial keeps its backoff; if it opens again within
+``backoff_max`` of closing (an engine that fails half of its requests passes trials half of the
+time), the next open period doubles instead of starting over at ``backoff``. It starts over once the
+engine has stayed good for ``backoff_max``, or when the agent reports the engine up again (``reset``).
 
 Every permission (:meth:`CircuitBreaker.allow`) returns a token naming the breaker's state at the
 time; an outcome recorded with a token of an earlier state is ignored, so a request that started
@@ -81,6 +86,7 @@ class CircuitBreaker:
         self.trial_in_flight = False
         self.last_error = ""
         self.opened = 0  # times it opened (for logs and tests)
+        self.closed_at: float | None = None  # when a trial last closed it (None: never, or forgiven)
 
     # -- state --------------------------------------------------------------------------------
     @property
@@ -145,7 +151,14 @@ class CircuitBreaker:
                 self.consecutive_failures += 1
                 self.last_error = error
                 if self.consecutive_failures >= self.policy.failures:
-                    self._open(self.policy.backoff)
+                    recently = self.closed_at is not None and (
+                        self.clock() - self.closed_at < self.policy.backoff_max
+                    )
+                    self.closed_at = None
+                    # Failing again soon after a trial closed it: keep doubling, do not start over.
+                    self._open(
+                        min(self.backoff * 2, self.policy.backoff_max) if recently else self.policy.backoff
+                    )
                     return True
             return False
         if state is BreakerState.HALF_OPEN:
@@ -153,7 +166,10 @@ class CircuitBreaker:
                 self.trial_in_flight = False  # no verdict: the next request is the trial
                 return False
             if ok:
+                backoff = self.backoff
                 self.reset()
+                self.backoff = backoff  # remembered until the engine has stayed good (see above)
+                self.closed_at = self.clock()
             else:
                 self.last_error = error
                 self._open(min(self.backoff * 2, self.policy.backoff_max))
@@ -165,6 +181,7 @@ class CircuitBreaker:
         changed = self._state is not BreakerState.CLOSED
         self.consecutive_failures = 0
         self.backoff = self.policy.backoff
+        self.closed_at = None
         self.trial_in_flight = False
         if changed:
             self._move(BreakerState.CLOSED)

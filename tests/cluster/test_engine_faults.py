@@ -179,3 +179,57 @@ def test_breaker_alone_takes_out_a_dead_or_hung_engine_and_retries_hide_it(  # t
         assert {s for s, _ in hung} <= {200, 502, 503, 504}  # explicit answers, never a hang
     finally:
         c.engines["d2"].proc.send_signal(signal.SIGCONT)
+
+
+def test_killed_prefill_engine_is_never_chosen_and_comes_back(etcd, proc_group: ProcessGroup) -> None:  # type: ignore[no-untyped-def]
+    """The same for a prefill engine: the node leaves the prefill choice (it holds no decode capacity)
+    and requests keep succeeding on the other prefill node."""
+    c = LocalCluster(proc_group, etcd.endpoint, f"pfaults-{time.monotonic_ns()}")
+    c.start_master("m1", model="sim")
+    prefill = {"p1": 8, "p2": 8}
+    for name, cap in prefill.items():
+        c.start_node(name, "prefill", cap, model="sim")
+    c.start_node("d1", "decode", 8, model="sim")
+    c.wait_for(lambda: c.full_capacity_held(["m1"], {**prefill, "d1": 8}), timeout=30)
+    load = cluster_load(lambda: [("m1", c.masters["m1"].url)], users=3, request_timeout_s=30).start()
+    try:
+        load.wait_for_results(10, timeout=30)
+        c.engines["p2"].proc.kill()
+        c.wait_for(
+            lambda: _node(c, "p2")["engine_down"] and _node(c, "p2")["effective_share"] == 0, timeout=30
+        )
+        t_gone = time.monotonic()
+        n = len(load.snapshot())
+        load.wait_for_results(n + 15, timeout=60)
+        c.engines["p2"].proc.start()
+        c.wait_for(lambda: _node(c, "p2")["effective_share"] == prefill["p2"], timeout=30, interval=0.1)
+    finally:
+        results = load.stop()
+    after = [r for r in results if r.started >= t_gone]
+    bad = [r for r in after if r.status not in (200, 429) or (r.status == 200 and r.error)]
+    assert after and not bad, f"after p2 left, requests must end in 200 or 429: {summarize(bad)}"
+
+
+def test_an_engine_failing_half_its_requests_trips_the_breaker(  # type: ignore[no-untyped-def]
+    etcd, proc_group: ProcessGroup
+) -> None:
+    """d2 answers 503 to half of its generation requests (its /health stays fine, so only the master's
+    breaker can see it): the breaker opens, retries on d1 hide the failures, every request ends
+    explicitly. That it does not thrash (each re-open soon after a lucky trial doubles the wait) is
+    checked on the pure breaker in tests/unit/engine/test_health.py."""
+    c = LocalCluster(proc_group, etcd.endpoint, f"flaky-{time.monotonic_ns()}")
+    c.start_master("m1", model="sim")
+    c.start_node("p1", "prefill", 8, model="sim")
+    c.start_node("d1", "decode", 4, model="sim")
+    c.start_node("d2", "decode", 4, model="sim", engine_args={"fault_error_rate": 0.5, "fault_seed": 7})
+    c.wait_for(lambda: c.full_capacity_held(["m1"], {"p1": 8, "d1": 4, "d2": 4}), timeout=30)
+    load = cluster_load(lambda: [("m1", c.masters["m1"].url)], users=4, request_timeout_s=30).start()
+    try:
+        c.wait_for(lambda: _metric(c, r'pdcoord_engine_breaker_open\{node="d2"\}') == 1.0, timeout=60)
+        n = len(load.snapshot())
+        load.wait_for_results(n + 100, timeout=120)
+    finally:
+        results = load.stop()
+    assert sum(1 for r in results if r.ok) >= 100
+    bad = [r for r in results if r.status not in (200, 429, 502, 503)]
+    assert not bad, summarize(bad)

@@ -87,9 +87,10 @@ def test_failed_trials_double_the_backoff_up_to_the_cap() -> None:
     assert t is not None
     b.record(t, True)
     fail(b, 1)
-    assert b.state is BreakerState.CLOSED  # the count and backoff started afresh
+    assert b.state is BreakerState.CLOSED  # the count started afresh
     fail(b, 1)
-    assert b.seconds_to_trial() == 1.0
+    # failing again right after a trial closed it: the backoff does not start over (no thrashing)
+    assert b.seconds_to_trial() == 5.0
 
 
 def test_a_trial_without_verdict_frees_the_trial_slot() -> None:
@@ -236,3 +237,26 @@ def test_dispatch_names_the_failed_node(
     assert exc.node == node
     assert exc.engine_status == engine_status
     assert counts_as_failure(exc.kind, exc.engine_status) is counts
+
+
+def test_an_engine_failing_half_its_requests_does_not_make_the_breaker_thrash() -> None:
+    """Lucky trials close it, but each re-open soon after doubles the wait instead of starting over;
+    once the engine has stayed good for backoff_max the next opening starts from backoff again."""
+    clock = Clock()
+    b = CircuitBreaker(BreakerPolicy(failures=3, backoff=1.0, backoff_max=8.0), clock)
+    waits = []
+    for _ in range(5):
+        fail(b, 3)  # three failures in a row open it
+        waits.append(b.backoff)
+        clock.t += b.backoff
+        trial = b.allow()
+        assert trial is not None
+        b.record(trial, True)  # a lucky trial closes it
+        assert b.state is BreakerState.CLOSED
+        clock.t += 0.5
+    assert waits == [1.0, 2.0, 4.0, 8.0, 8.0]
+    clock.t += 8.0  # good for backoff_max: forgiven
+    fail(b, 3)
+    assert b.backoff == 1.0
+    b.reset()  # the agent reports the engine up: forgiven at once
+    assert b.backoff == 1.0 and b.closed_at is None
