@@ -105,6 +105,10 @@ class RequestPipeline:
         try:
             assert ctx.request_class is not None
             while True:
+                if ctx.retries:
+                    # Let the node table's news (a breaker that just opened) reach admission
+                    # before the retry is placed: it is delivered once per event-loop tick.
+                    await asyncio.sleep(0)
                 try:
                     async with self.admission.acquire(
                         slots=ctx.parsed.slots, request_class=ctx.request_class, session_id=ctx.session_id
@@ -235,7 +239,9 @@ class RequestPipeline:
         the answer began, such as a stalled stream) against the breaker's current state."""
         if token is None:
             token = self.breakers.get(node_id).generation
-        self.breakers.record(node_id, token, False, exc.message)
+        # A refused connection needs no second opinion: open at once, so that a retry (and everyone
+        # else) is placed elsewhere instead of on a node with nothing listening.
+        self.breakers.record(node_id, token, False, exc.message, decisive=exc.kind == "connect")
         if self.on_engine_failure is not None:
             self.on_engine_failure(node_id, _failure_label(exc))
 

@@ -4,7 +4,8 @@ DESIGN §7 "Engine faults": the master's own dispatches feed one breaker per nod
 connections, timeouts and 5xx answers before the first byte are failures; a 200 is a success; a
 client error (4xx) says nothing about the engine.
 
-* **closed**: requests flow; ``failures`` failures in a row open it (a success resets the count);
+* **closed**: requests flow; ``failures`` failures in a row open it (a success resets the count), a
+  refused connection at once;
 * **open**: no request may use the node until ``backoff`` seconds have passed;
 * **half-open**: exactly one trial request may use it: a success closes the breaker; a failure opens
   it again with the backoff doubled, capped at ``backoff_max``.
@@ -138,9 +139,11 @@ class CircuitBreaker:
             return self.generation
         return None
 
-    def record(self, token: int, ok: bool | None, error: str = "") -> bool:
+    def record(self, token: int, ok: bool | None, error: str = "", decisive: bool = False) -> bool:
         """The outcome of a permitted request: True success, False failure, None neither (a client
-        error, a cancellation). Returns True when the state changed."""
+        error, a cancellation). ``decisive``: a failure that needs no second opinion (the engine
+        refused the connection: nothing listens), which opens a closed breaker at once. Returns True
+        when the state changed."""
         if token != self.generation:
             return False  # permitted under an earlier state: that state is over
         state = self._state
@@ -150,7 +153,7 @@ class CircuitBreaker:
             elif ok is False:
                 self.consecutive_failures += 1
                 self.last_error = error
-                if self.consecutive_failures >= self.policy.failures:
+                if decisive or self.consecutive_failures >= self.policy.failures:
                     recently = self.closed_at is not None and (
                         self.clock() - self.closed_at < self.policy.backoff_max
                     )
@@ -239,9 +242,11 @@ class EngineBreakers:
             self._changed(node_id, b)
         return token
 
-    def record(self, node_id: str, token: int, ok: bool | None, error: str = "") -> None:
+    def record(
+        self, node_id: str, token: int, ok: bool | None, error: str = "", decisive: bool = False
+    ) -> None:
         b = self.get(node_id)
-        if b.record(token, ok, error):
+        if b.record(token, ok, error, decisive):
             self._changed(node_id, b)
 
     def reset(self, node_id: str) -> None:

@@ -135,8 +135,8 @@ def test_breaker_alone_takes_out_a_dead_or_hung_engine_and_retries_hide_it(  # t
     c.wait_for(lambda: c.full_capacity_held(["m1"], {"p1": 8, **DECODE}), timeout=30)
     url = c.masters["m1"].url
 
-    # Dead: refused connections. Requests placed on d2 are retried on d1 (X-Retries: 1); after
-    # --breaker-failures of them d2's breaker opens and it takes no new leases.
+    # Dead: refused connections. Requests placed on d2 are retried on d1 (X-Retries: 1); the first
+    # refused connection opens d2's breaker (nothing listens there) and it takes no new leases.
     c.engines["d2"].proc.kill()
     seen: list[tuple[int, str]] = []
 
@@ -148,7 +148,7 @@ def test_breaker_alone_takes_out_a_dead_or_hung_engine_and_retries_hide_it(  # t
     assert (200, "1") in seen, seen
     assert _node(c, "d2")["effective_share"] == 0
     assert _metric(c, r'pdcoord_engine_breaker_open\{node="d2"\}') == 1.0
-    assert _metric(c, r'pdcoord_engine_failures_total\{[^}]*node="d2"[^}]*\}') >= 3
+    assert _metric(c, r'pdcoord_engine_failures_total\{[^}]*node="d2"[^}]*\}') >= 1
     assert {s for s, _ in seen} <= {200, 502, 503}  # a retry may land on d2 again before it opened
 
     # Back: a half-open trial succeeds and closes the breaker.

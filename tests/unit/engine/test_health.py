@@ -260,3 +260,12 @@ def test_an_engine_failing_half_its_requests_does_not_make_the_breaker_thrash() 
     assert b.backoff == 1.0
     b.reset()  # the agent reports the engine up: forgiven at once
     assert b.backoff == 1.0 and b.closed_at is None
+
+
+def test_a_refused_connection_opens_the_breaker_at_once() -> None:
+    clock = Clock()
+    b = CircuitBreaker(BreakerPolicy(failures=3, backoff=1.0, backoff_max=8.0), clock)
+    token = b.allow()
+    assert token is not None
+    assert b.record(token, False, "refused", decisive=True)
+    assert b.state is BreakerState.OPEN
