@@ -197,7 +197,7 @@ class LocalCluster:
                     if master_id in self.masters
                     else self.start_master(master_id)
                 )
-                self.wait_for(lambda m=m: not m.proc.alive or _ready(m.url), timeout=10)  # type: ignore[misc]
+                self.wait_for(lambda m=m: not m.proc.alive or _ready(m.url), timeout=30)  # type: ignore[misc]
                 if m.proc.alive:
                     return time.monotonic() - start
             except ProcessError:
