@@ -12,8 +12,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -55,6 +57,20 @@ def _read_tail(path: Path, lines: int) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+def _dies_with_us(argv: Sequence[str]) -> list[str]:
+    """``argv`` run under ``setpriv --pdeathsig TERM`` (Linux, util-linux): the child gets SIGTERM when
+    this process dies, so a test run or a demo that is killed outright (SIGKILL, a CI timeout, a test
+    runner stopped from outside) leaves nothing running; the clean paths still stop children by PID.
+    Only from the main thread: the signal follows the thread that started the child, and a worker
+    thread may end long before the process."""
+    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    if setpriv is None or threading.current_thread() is not threading.main_thread() or not argv:
+        return list(argv)
+    if shutil.which(argv[0]) is None:
+        return list(argv)  # let Popen say that it cannot run it, as without the wrapper
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv]
 
 
 class ManagedProcess:
@@ -120,7 +136,7 @@ class ManagedProcess:
             log.flush()
             try:
                 self._proc = subprocess.Popen(
-                    self.argv,
+                    _dies_with_us(self.argv),
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,

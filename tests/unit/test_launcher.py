@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -212,3 +213,33 @@ def test_wait_port() -> None:
         srv.bind(("127.0.0.1", port))
         srv.listen()
         wait_port("127.0.0.1", port, timeout=2)
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_children_die_when_the_starter_is_killed_outright(tmp_path: Path) -> None:
+    """A test run killed with SIGKILL runs no cleanup: the children must go by themselves."""
+    script = (
+        "import sys, time\n"
+        "from pdcoord.dev.launcher import ProcessGroup\n"
+        f"g = ProcessGroup({str(tmp_path)!r})\n"
+        "p = g.start('sleeper', ['sleep', '300'])\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert starter.stdout is not None
+    child = int(starter.stdout.readline())
+    os.kill(starter.pid, signal.SIGKILL)
+    starter.wait(10)
+    deadline = time.monotonic() + 10
+    while _alive(child):
+        assert time.monotonic() < deadline, f"child {child} outlived its killed starter"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
