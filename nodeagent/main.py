@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import random
 import signal
 import sys
 from collections.abc import Sequence
@@ -209,8 +208,9 @@ async def _discover(endpoint: str) -> EngineInfo:
     """The engine's settings; waits (capped, jittered backoff) while it does not answer: in a pod the
     agent usually starts long before its engine has loaded the model."""
     from nodeagent.probe import EngineUnreachable, discover_engine
+    from pdcoord.retry import Backoff
 
-    delay, said = 0.5, False
+    backoff, said = Backoff(initial=0.5), False
     async with aiohttp.ClientSession() as session:
         while True:
             try:
@@ -219,8 +219,7 @@ async def _discover(endpoint: str) -> EngineInfo:
                 if not said:
                     print(f"nodeagent: waiting for the engine: {exc}", file=sys.stderr, flush=True)
                     said = True
-            await asyncio.sleep(delay * random.uniform(0.5, 1.5))
-            delay = min(delay * 2, 5.0)
+            await asyncio.sleep(backoff.next())
 
 
 async def _run(args: argparse.Namespace) -> int:

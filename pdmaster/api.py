@@ -329,13 +329,6 @@ class OpenAIRoutes:
             )
             resp.force_close()  # no keep-alive into a closing server
             return resp
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            limit = request.app._client_max_size
-            return self._error(endpoint, 413, f"request body exceeds {limit} bytes (--max-body-bytes)")
-        except RequestPayloadError as exc:  # e.g. Content-Encoding: gzip over a body that is not gzip
-            return self._error(endpoint, 400, f"request body could not be read: {exc}".replace("\n", " "))
         if endpoint not in self.protocol_routes:
             return self._error(
                 endpoint,
@@ -344,6 +337,13 @@ class OpenAIRoutes:
                 "use /v1/completions or /v1/chat/completions",
                 code="unsupported_by_engine_protocol",
             )
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            limit = request.app._client_max_size
+            return self._error(endpoint, 413, f"request body exceeds {limit} bytes (--max-body-bytes)")
+        except RequestPayloadError as exc:  # e.g. Content-Encoding: gzip over a body that is not gzip
+            return self._error(endpoint, 400, f"request body could not be read: {exc}".replace("\n", " "))
         try:
             parsed = parser(raw, self.limits)
         except InvalidRequest as exc:

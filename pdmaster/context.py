@@ -41,8 +41,9 @@ class RequestContext:
     permits: dict[str, int] = field(default_factory=dict)
     retries: int = 0  # attempts made again on another P/D pair after a failure before the first byte
 
-    def engine_headers(self) -> dict[str, str]:
-        return {"X-Request-Id": self.engine_request_id, "Content-Type": "application/json"}
+    def engine_headers(self, engine_request_id: str) -> dict[str, str]:
+        """What every engine request of this client request carries; the id is fresh per dispatch."""
+        return {"X-Request-Id": engine_request_id, "Content-Type": "application/json"}
 
 
 class RequestFailed(Exception):

@@ -207,7 +207,12 @@ class RequestPipeline:
         self.router.routed(prefill, ctx.hashes)
         try:
             answer = await self._dispatch.open(
-                ctx.endpoint, ctx.parsed.body, prefill, ctx.decode, ctx.engine_headers(), ctx.raw
+                ctx.endpoint,
+                ctx.parsed.body,
+                prefill,
+                ctx.decode,
+                ctx.engine_headers(ctx.engine_request_id),
+                ctx.raw,
             )
         except EngineError as exc:
             log.info(
@@ -261,8 +266,9 @@ class RequestPipeline:
         self.router.routed(prefill, ctx.hashes)
 
         async def one(part: Part) -> EngineResponse:
-            headers = {"X-Request-Id": self.new_id(), "Content-Type": "application/json"}
-            return await dispatch.open(ctx.endpoint, part.body, prefill, decode, headers)
+            return await dispatch.open(
+                ctx.endpoint, part.body, prefill, decode, ctx.engine_headers(self.new_id())
+            )
 
         try:
             results = await asyncio.gather(*(one(p) for p in parts), return_exceptions=True)

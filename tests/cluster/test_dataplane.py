@@ -388,7 +388,7 @@ def test_bad_input_gets_a_clear_4xx(
     err = r.json()["error"]
     assert err["message"] and err["type"]
     if fleet.protocol == "vllm" and path == "/generate":
-        assert err["code"] == "unsupported_by_engine_protocol"  # refused before the body is parsed
+        assert err["code"] == "unsupported_by_engine_protocol"  # refused before the body is read
     elif param:
         assert err["param"] == param
 

@@ -86,5 +86,5 @@ def test_a_crashed_master_is_failed_over_without_engine_metrics(cluster: LocalCl
     c.start_agent("d1", "decode", endpoint=d.url, capacity=8, orphan_timeout=120)
     c.wait_for(lambda: c.full_capacity_held(["m1", "m2"], {"d1": 8}), timeout=30)
     c.masters["m1"].proc.kill()
-    took = c.wait_for(lambda: _node(c, "m2", "d1")["effective_share"] == 8, timeout=60)
-    assert took < 60  # the orphan timeout (120 s) was not what freed them
+    # Within 60 s, half of --orphan-timeout: the engine's load sample freed the slots, not the timeout.
+    c.wait_for(lambda: _node(c, "m2", "d1")["effective_share"] == 8, timeout=60)

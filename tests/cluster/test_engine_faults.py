@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from pdcoord.dev.cluster import LocalCluster, http_json
+from pdcoord.dev.cluster import LocalCluster
 from pdcoord.dev.launcher import ProcessGroup
 from tests.cluster.cluster_helpers import cluster_load, summarize
 
@@ -40,10 +40,7 @@ def _engine_up_gauge(c: LocalCluster, node: str) -> float | None:
 
 
 def _agent_status(c: LocalCluster, node: str) -> dict[str, Any]:
-    argv = c.agents[node].proc.argv
-    port = argv[argv.index("--health-port") + 1]
-    status: dict[str, Any] = http_json(f"http://127.0.0.1:{port}/status")
-    return status
+    return c.agents[node].status()
 
 
 def test_killed_decode_engine_leaves_capacity_and_comes_back(etcd, proc_group: ProcessGroup) -> None:  # type: ignore[no-untyped-def]
