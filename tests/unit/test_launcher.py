@@ -229,6 +229,12 @@ def test_children_die_when_the_starter_is_killed_outright(tmp_path: Path) -> Non
     starter = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert starter.stdout is not None
     child = int(starter.stdout.readline())
+    # The death signal is armed by setpriv just before it becomes ``sleep``: kill the starter only
+    # after that, or the test races the arming instead of testing it.
+    deadline = time.monotonic() + 10
+    while _comm(child) != "sleep":
+        assert time.monotonic() < deadline, f"child {child} never became sleep ({_comm(child)!r})"
+        time.sleep(0.01)
     os.kill(starter.pid, signal.SIGKILL)
     starter.wait(10)
     deadline = time.monotonic() + 10
@@ -243,3 +249,11 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
     except FileNotFoundError:
         return False
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return ""
