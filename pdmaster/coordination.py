@@ -129,6 +129,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         received["register"].inc()
         try:
             acks_sent.inc()
+            self.registry.flush()
             yield self._ack(node_id, node.epoch, 0)
             bucket = TokenBucket(self.max_reports_per_s)
             async for msg in request_iterator:
@@ -182,6 +183,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                         return
                 self.metrics.observe_node(self.registry, node_id)
                 acks_sent.inc()
+                self.registry.flush()
                 yield self._ack(node_id, self.registry.nodes[node_id].epoch, rep.seq)
         finally:
             self.registry.disconnect(node_id, stream)

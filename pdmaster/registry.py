@@ -210,6 +210,13 @@ class NodeRegistry:
             self._notify_pending = True
             self._defer(self._notify)
 
+    def flush(self) -> None:
+        """Tell the share listeners now if a change is still waiting for its tick. Called before an
+        Ack: an Ack says this master applied the grant, and strict handover hands the slots it gave
+        up to another master on that word, so admission must already hold the smaller share."""
+        if self._notify_pending:
+            self._notify()
+
     def _notify(self) -> None:
         self._notify_pending = False
         for listener in self._listeners:
