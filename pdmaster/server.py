@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from pdcoord import __version__
 from pdcoord.etcd import EtcdClient
+from pdcoord.gctuning import tune_gc
 from pdcoord.keys import Keys
 from pdcoord.registration import AlreadyRegistered, Registration
 from pdcoord.retry import register_with_retry
@@ -281,6 +282,7 @@ class MasterServer:
             cfg.etcd.cluster,
             f"{len(self.api_keys)} API key(s)" if self.api_keys else "open API (no API keys)",
         )
+        tune_gc()  # start-up is done: what it allocated is never scanned again
         print(
             f"pdmaster ready master_id={self.master_id} "
             f"http_port={self.http_port} grpc_port={self.grpc_port}"
