@@ -1,11 +1,11 @@
 """Garbage-collector settings for the long-running processes (master and agent).
 
-CPython's default (a young-generation collection every 700 net container allocations) costed the
-master about 10 % of its CPU under load: every request allocates a few hundred short-lived
-containers, so the young generation was scanned several hundred times a second together with
-whatever requests were in flight, and each full collection walked every module, protobuf descriptor
-and aiohttp object loaded at start-up. Almost nothing a request allocates is cyclic (reference
-counting frees it), so collecting rarely loses nothing but a little memory.
+CPython's default (a young-generation collection every 700 net container allocations) scanned the
+master's in-flight requests several times a second under load, and each full collection walked every
+module, protobuf descriptor and aiohttp object loaded at start-up: about 3 % of its CPU at 350
+requests/s (and 10 % while every request still left a reference cycle behind, see
+``pdmaster.engine.pool.Exchange._finish``). Requests leave no cyclic garbage, so collecting rarely
+costs nothing but a little memory.
 
 ``tune_gc`` is called once start-up is done: it moves everything alive then into the permanent
 generation (never scanned again) and raises the young threshold. Reference cycles are still

@@ -85,13 +85,14 @@ class Exchange:
         "_conn",
         "_deadline",
         "_done_cb",
+        "_fresh",
         "_got_bytes",
         "_head_fut",
         "_last_bytes",
         "_mode",
+        "_pool",
         "_sent_at",
         "_sink",
-        "_timer",
         "_wake",
         "content_type",
         "done",
@@ -109,12 +110,14 @@ class Exchange:
         self._head_fut: asyncio.Future[None] | None = None
         self._wake: asyncio.Future[None] | None = None
         self._done_cb: Callable[[Exchange], None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        # Timeouts by phase (loop.time()): sent, last bytes received, the total cap (inf: none).
+        self._pool: EnginePool | None = None  # while the pool's watchdog checks its timeouts
+        # Timeouts by phase (loop.time()): sent, last bytes seen by the watchdog, the total cap (inf:
+        # none). The socket callback only raises ``_fresh``; the watchdog turns it into a time.
         self._sent_at = 0.0
         self._last_bytes = 0.0
         self._deadline = float("inf")
         self._got_bytes = False
+        self._fresh = False
         self.status = 0
         self.headers: dict[bytes, bytes] = {}
         self.content_type = ""
@@ -153,7 +156,8 @@ class Exchange:
     def relay(self, sink: Callable[[bytes], None]) -> None:
         """Hand every body byte to ``sink`` from now on, starting with what is buffered."""
         self._mode = _RELAY
-        self._sink = sink
+        if not self.done:
+            self._sink = sink  # kept only while bytes may come (see _finish)
         if self._body:
             pending = bytes(self._body)
             self._body.clear()
@@ -224,9 +228,13 @@ class Exchange:
         self.done = True
         self.error = error
         self._conn = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        # The sink closes over the response that holds this exchange: drop it, so that the request's
+        # objects go with their last reference instead of waiting for the cycle collector.
+        self._sink = None
+        pool = self._pool
+        if pool is not None:
+            self._pool = None
+            pool._watched.discard(self)
         fut = self._head_fut
         if fut is not None and not fut.done():
             if error is None:
@@ -268,8 +276,7 @@ class _Connection(asyncio.Protocol):
         if ex is None:  # bytes nobody asked for: the connection is not reusable
             self.close()
             return
-        ex._got_bytes = True
-        ex._last_bytes = self.loop.time()
+        ex._fresh = True
         try:
             for event in self.parser.feed(data):
                 if event.__class__ is bytes:
@@ -317,35 +324,26 @@ class _Connection(asyncio.Protocol):
         ex._sent_at = ex._last_bytes = now
         if self.pool.timeout_s is not None:
             ex._deadline = now + self.pool.timeout_s
-        self._arm(ex, now + self.pool.first_byte_timeout_s)
+        self.pool._watch(ex)
         self.transport.write(request)
         return ex
 
-    # -- timeouts by phase: one timer per exchange, re-armed lazily (never once per chunk) ----------
-    def _arm(self, ex: Exchange, when: float) -> None:
-        ex._timer = self.loop.call_at(min(when, ex._deadline), self._check, ex)
-
-    def _check(self, ex: Exchange) -> None:
-        ex._timer = None
-        if ex.done:
-            return
-        pool, now = self.pool, self.loop.time()
+    def _check(self, ex: Exchange, now: float) -> None:
+        """The watchdog's look at one exchange: end it when a phase took too long."""
+        pool = self.pool
+        if ex._fresh:
+            ex._fresh = False
+            ex._got_bytes = True
+            ex._last_bytes = now
         if now >= ex._deadline:
             self._expire(ex, f"did not finish in {pool.timeout_s:g} s")
         elif not ex._got_bytes:
-            due = ex._sent_at + pool.first_byte_timeout_s
-            if now >= due:
+            if now - ex._sent_at >= pool.first_byte_timeout_s:
                 self._expire(ex, f"sent no response byte in {pool.first_byte_timeout_s:g} s")
-            else:
-                self._arm(ex, due)
         elif ex.paused:
-            self._arm(ex, now + pool.idle_timeout_s)  # our client is slow, not the engine
-        else:
-            due = ex._last_bytes + pool.idle_timeout_s
-            if now >= due:
-                self._expire(ex, f"sent nothing for {pool.idle_timeout_s:g} s mid-response")
-            else:
-                self._arm(ex, due)
+            ex._last_bytes = now  # our client is slow, not the engine
+        elif now - ex._last_bytes >= pool.idle_timeout_s:
+            self._expire(ex, f"sent nothing for {pool.idle_timeout_s:g} s mid-response")
 
     def _expire(self, ex: Exchange, what: str) -> None:
         # Closing the connection is what cancels the request inside the engine.
@@ -387,6 +385,14 @@ class EnginePool:
         self.first_byte_timeout_s = first_byte_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.timeout_s = timeout_s
+        # Timeouts by phase are checked by one watchdog timer per pool, while exchanges are in
+        # flight, every ``tick`` seconds: an eighth of the shortest timeout, at most a second. A
+        # timer per exchange (armed, re-armed, cancelled) cost more than the check; a timeout
+        # fires at most two ticks late, which is noise against timeouts of seconds to minutes.
+        shortest = min(first_byte_timeout_s, idle_timeout_s, timeout_s or idle_timeout_s)
+        self.tick = min(max(shortest / 8, 0.01), 1.0)
+        self._watched: set[Exchange] = set()
+        self._watchdog: asyncio.TimerHandle | None = None
         self._idle: dict[tuple[str, int, bool], deque[_Connection]] = {}
         self._ssl: _ssl.SSLContext | None = None
         self._closed = False
@@ -410,8 +416,31 @@ class EnginePool:
         conn = self._idle_connection(key) or await self._connect(key)
         return conn.send(request, _DISCARD if discard else _BUFFER)
 
+    def _watch(self, ex: Exchange) -> None:
+        ex._pool = self
+        self._watched.add(ex)
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().call_later(self.tick, self._sweep)
+
+    def _sweep(self) -> None:
+        self._watchdog = None
+        if not self._watched:
+            return  # idle: no timer until the next request
+        now = asyncio.get_running_loop().time()
+        for ex in list(self._watched):  # expiring one removes it from the set
+            conn = ex._conn
+            if conn is None:
+                self._watched.discard(ex)
+            else:
+                conn._check(ex, now)
+        if self._watched:
+            self._watchdog = asyncio.get_running_loop().call_later(self.tick, self._sweep)
+
     async def close(self) -> None:
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         for conns in self._idle.values():
             for c in conns:
                 c.close()

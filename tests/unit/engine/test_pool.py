@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 from collections.abc import AsyncIterator
 
@@ -191,6 +192,101 @@ async def test_timeout_and_abort_close_the_connection(raw: RawServer) -> None:
         ex.abort()
         await asyncio.wait_for(raw.disconnected.wait(), 5)
         assert ex.done and isinstance(ex.error, EngineError)
+
+
+async def test_first_byte_and_idle_timeouts_by_phase() -> None:
+    """Silence before the head ends in a first-byte timeout; a stream that keeps sending lives longer
+    than the idle timeout, and ends only once it stalls; the watchdog stops when nothing is in flight."""
+    stall = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if b"/silent" not in head:
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for _ in range(8):  # 1.2 s of events, each gap well below the idle timeout
+                writer.write(b"1\r\nx\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.15)
+        stall.set()
+        with contextlib.suppress(ConnectionError):
+            await reader.read()  # until the client gives up
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    endpoint = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with pool(first_byte_timeout_s=0.5, idle_timeout_s=0.6) as p:
+            ex = await p.send(endpoint, "/silent", b"{}", {})
+            with pytest.raises(EngineError, match="no response byte") as info:
+                await asyncio.wait_for(ex.head(), 10)
+            assert info.value.kind == "timeout" and info.value.status == 504
+
+            got: list[bytes] = []
+            ex = await p.send(endpoint, "/stream", b"{}", {})
+            await asyncio.wait_for(ex.head(), 10)
+            ex.relay(got.append)
+            with pytest.raises(EngineError, match="mid-response") as info:
+                await asyncio.wait_for(ex.wait(), 10)
+            assert info.value.kind == "timeout" and stall.is_set()
+            assert b"".join(got) == b"x" * 8  # not cut while bytes kept coming
+            assert not p._watched
+            await asyncio.sleep(3 * p.tick)
+            assert p._watchdog is None  # no timer wakes an idle master
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.parametrize("body_later", [False, True])
+async def test_a_relayed_exchange_leaves_no_reference_cycle(body_later: bool) -> None:
+    """The master relays every stream through a sink that closes over the response holding the
+    exchange; the exchange must let go of it when it ends (whether the body was complete before the
+    relay began or arrives through it), or every request's objects wait for the cycle collector
+    (which then cost the master a tenth of its CPU)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
+        if body_later:
+            await writer.drain()
+            await asyncio.sleep(0.2)  # the client relays by now
+        writer.write(b"hello")
+        await writer.drain()
+        with contextlib.suppress(ConnectionError):
+            await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    endpoint = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with pool() as p:
+        got: list[bytes] = []
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+
+            async def relay() -> None:
+                ex = await p.send(endpoint, "/x", b"{}", {})
+                await ex.head()
+
+                def sink(data: bytes) -> None:  # like relay_stream's: it reaches the exchange
+                    got.append(data)
+                    assert ex is not None
+
+                ex.relay(sink)
+                await ex.wait()
+
+            await relay()
+            gc.collect()
+            cyclic = [o for o in gc.garbage if type(o).__name__ == "Exchange"]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        assert b"".join(got) == b"hello"
+        assert not cyclic
+    server.close()
+    await server.wait_closed()
 
 
 async def test_header_injection_is_refused(raw: RawServer) -> None:
