@@ -99,6 +99,8 @@ class CacheAwarePrefill:
         self, candidates: Sequence[Node], estimate: PrefixEstimate[str], in_flight: Mapping[str, int]
     ) -> Node | None:
         self._turn += 1
+        if len(candidates) == 1:
+            return candidates[0]  # what choose_prefill would answer, without building its inputs
         by_id = {n.node_id: n for n in candidates}
         loads = {nid: float(in_flight.get(nid, 0)) for nid in by_id}
         chosen = choose_prefill(estimate, loads, list(by_id), tie_breaker=self._turn)

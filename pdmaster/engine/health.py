@@ -235,6 +235,9 @@ class EngineBreakers:
             self._changed(node_id, b)
 
     def allow(self, node_id: str) -> int | None:
+        b = self.breakers.get(node_id)
+        if b is not None and b._state is BreakerState.CLOSED:
+            return b.generation  # every request asks twice (P and D): the common case in one step
         b = self.get(node_id)
         was = b.generation
         token = b.allow()
@@ -246,6 +249,8 @@ class EngineBreakers:
         self, node_id: str, token: int, ok: bool | None, error: str = "", decisive: bool = False
     ) -> None:
         b = self.get(node_id)
+        if ok is True and b._state is BreakerState.CLOSED and not b.consecutive_failures:
+            return  # a success on a healthy engine changes nothing
         if b.record(token, ok, error, decisive):
             self._changed(node_id, b)
 
