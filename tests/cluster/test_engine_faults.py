@@ -320,3 +320,45 @@ def test_a_stream_stalled_mid_way_ends_releases_and_cancels(  # type: ignore[no-
     c.wait_for(back, timeout=30, interval=0.2)
     assert _node(c, "d1")["effective_share"] == 4
     c.wait_for(lambda: _active(c, "d1") == 0, timeout=20)
+
+
+def test_a_sigstopped_decode_engine_ends_its_streams_and_returns_after_sigcont(  # type: ignore[no-untyped-def]
+    etcd, proc_group: ProcessGroup
+) -> None:
+    """SIGSTOP a decode engine while it streams (a real hang, unlike pdsim's fault: nothing in the
+    engine runs): the client's stream ends with an SSE error at the idle timeout, the lease is
+    released, the node leaves placement; after SIGCONT the engine sees its request cancelled (the
+    master closed the connection) and the node comes back."""
+    idle = 2.0
+    c = LocalCluster(proc_group, etcd.endpoint, f"sigstop-{time.monotonic_ns()}")
+    c.start_master("m1", model="sim", engine_idle_timeout=idle, engine_first_byte_timeout=4)
+    c.start_node("p1", "prefill", 4, model="sim")
+    # 50 ms a token: a 400-token stream runs far longer than the test needs to stop it.
+    c.start_node("d1", "decode", 4, model="sim", engine_args={"decode_base_ms": 50})
+    c.wait_for(lambda: c.full_capacity_held(["m1"], {"p1": 4, "d1": 4}), timeout=30)
+    url = c.masters["m1"].url
+    d1 = c.engines["d1"]
+    cancelled0 = scrape_metrics(d1.url).get("pdsim_cancelled_total", 0.0)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    texts: list[str] = []
+    stopped_at = 0.0
+    try:
+        with pytest.raises(openai.APIError) as err:
+            for chunk in client.completions.create(model="sim", prompt="go on", max_tokens=400, stream=True):
+                texts += [ch.text for ch in chunk.choices]
+                if len(texts) == 3:
+                    d1.proc.send_signal(signal.SIGSTOP)
+                    stopped_at = time.monotonic()
+        took = time.monotonic() - stopped_at
+        assert stopped_at and len(texts) < 400, len(texts)
+        assert "decode stream failed" in str(err.value), err.value
+        assert took < idle + 20, took  # generous: a loaded machine
+        c.wait_for(lambda: _active(c, "d1") == 0, timeout=20)
+        assert _metric(c, r'pdcoord_engine_failures_total\{kind="timeout",node="d1"\}') >= 1
+        # The agent's liveness checks time out: the node takes no new leases.
+        c.wait_for(lambda: _node(c, "d1")["effective_share"] == 0, timeout=30, interval=0.1)
+    finally:
+        d1.proc.send_signal(signal.SIGCONT)
+    c.wait_for(lambda: scrape_metrics(d1.url)["pdsim_cancelled_total"] >= cancelled0 + 1, timeout=20)
+    c.wait_for(lambda: _node(c, "d1")["effective_share"] == 4, timeout=30, interval=0.1)
+    assert _post(url)[0] == 200
