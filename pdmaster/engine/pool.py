@@ -268,8 +268,14 @@ class _Connection(asyncio.Protocol):
         if ex is None:  # bytes nobody asked for: the connection is not reusable
             self.close()
             return
-        ex._got_bytes = True
-        ex._last_bytes = self.loop.time()
+        now = ex._last_bytes = self.loop.time()
+        if not ex._got_bytes:
+            ex._got_bytes = True
+            # The timer waits for the first-byte deadline; from now on the (usually shorter) idle
+            # gap is what counts, so move it once here (later chunks never touch it).
+            if ex._timer is not None:
+                ex._timer.cancel()
+            self._arm(ex, now + self.pool.idle_timeout_s)
         try:
             for event in self.parser.feed(data):
                 if event.__class__ is bytes:
