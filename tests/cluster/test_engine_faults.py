@@ -263,7 +263,9 @@ def test_a_stream_stalled_mid_way_ends_releases_and_cancels(  # type: ignore[no-
 
     One decode node and --max-retries 0: the 504 is the subject here (retries are the breaker test's);
     --breaker-failures 2 so the two stalled requests also take the node out, and its return is seen."""
-    idle, first_byte = 2.0, 4.0
+    # The first-byte timeout well above the idle one: a stall after the first chunks must end at
+    # the idle timeout, not wait for the first-byte deadline.
+    idle, first_byte = 2.0, 20.0
     c = LocalCluster(proc_group, etcd.endpoint, f"stall-{protocol}-{time.monotonic_ns()}")
     c.start_master(
         "m1", model="sim", engine_protocol=protocol, engine_idle_timeout=idle,
@@ -278,9 +280,26 @@ def test_a_stream_stalled_mid_way_ends_releases_and_cancels(  # type: ignore[no-
     _set_faults(c, "d1", "POST", {"hang_after_chunks": 2})
     cancelled0 = scrape_metrics(d1).get("pdsim_cancelled_total", 0.0)
 
-    # Streaming, through the real openai client: two chunks, then an SSE error event, not a hang.
+    # Streaming, through the real openai client. First a batch (one engine request per prompt,
+    # merged): two chunks per prompt, then an SSE error event, not a hang; every part cancelled.
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
     texts: list[str] = []
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError) as err:
+        for chunk in client.completions.create(
+            model="sim", prompt=["one", "two"], max_tokens=50, stream=True
+        ):
+            texts += [ch.text for ch in chunk.choices]
+    took = time.monotonic() - t0
+    assert sorted(texts) == [" tok1", " tok1", " tok2", " tok2"], texts
+    assert "decode stream failed" in str(err.value), err.value
+    assert idle <= took < first_byte, took
+    c.wait_for(lambda: scrape_metrics(d1).get("pdsim_hung_requests") == 0.0, timeout=20)
+    assert scrape_metrics(d1)["pdsim_cancelled_total"] >= cancelled0 + 2
+    c.wait_for(lambda: _active(c, "d1") == 0, timeout=20)
+
+    # A single stream: the same, and the stall counts for the breaker.
+    texts = []
     t0 = time.monotonic()
     with pytest.raises(openai.APIError) as err:
         for chunk in client.completions.create(model="sim", prompt="stall me", max_tokens=50, stream=True):
@@ -288,9 +307,9 @@ def test_a_stream_stalled_mid_way_ends_releases_and_cancels(  # type: ignore[no-
     took = time.monotonic() - t0
     assert texts == [" tok1", " tok2"], texts
     assert "decode stream failed" in str(err.value) and "mid-response" in str(err.value), err.value
-    assert idle <= took < idle + 20, took  # generous: a loaded machine
+    assert idle <= took < first_byte, took  # generous: a loaded machine
     c.wait_for(lambda: scrape_metrics(d1).get("pdsim_hung_requests") == 0.0, timeout=20)
-    assert scrape_metrics(d1)["pdsim_cancelled_total"] >= cancelled0 + 1
+    assert scrape_metrics(d1)["pdsim_cancelled_total"] >= cancelled0 + 3
     c.wait_for(lambda: _active(c, "d1") == 0, timeout=20)
     assert _metric(c, r'pdcoord_engine_failures_total\{kind="timeout",node="d1"\}') == 1
 
@@ -301,7 +320,7 @@ def test_a_stream_stalled_mid_way_ends_releases_and_cancels(  # type: ignore[no-
     assert status == 504 and retries == "", (status, retries)
     assert first_byte <= took < first_byte + 20, took
     c.wait_for(lambda: scrape_metrics(d1).get("pdsim_hung_requests") == 0.0, timeout=20)
-    assert scrape_metrics(d1)["pdsim_cancelled_total"] >= cancelled0 + 2
+    assert scrape_metrics(d1)["pdsim_cancelled_total"] >= cancelled0 + 4
     c.wait_for(lambda: _active(c, "d1") == 0, timeout=20)
     assert _metric(c, r'pdcoord_engine_failures_total\{kind="timeout",node="d1"\}') == 2
     # --breaker-failures 2: the node is out (half-open once the backoff has passed: one trial slot)
@@ -331,7 +350,7 @@ def test_a_sigstopped_decode_engine_ends_its_streams_and_returns_after_sigcont( 
     master closed the connection) and the node comes back."""
     idle = 2.0
     c = LocalCluster(proc_group, etcd.endpoint, f"sigstop-{time.monotonic_ns()}")
-    c.start_master("m1", model="sim", engine_idle_timeout=idle, engine_first_byte_timeout=4)
+    c.start_master("m1", model="sim", engine_idle_timeout=idle, engine_first_byte_timeout=60)
     c.start_node("p1", "prefill", 4, model="sim")
     # 50 ms a token: a 400-token stream runs far longer than the test needs to stop it.
     c.start_node("d1", "decode", 4, model="sim", engine_args={"decode_base_ms": 50})
