@@ -57,7 +57,7 @@ class GenRequest:
     # bootstrap_room, one per sample for a list of rooms, none without PD fields.
     bootstrap_rooms: tuple[int, ...] = ()
     min_tokens: int = 0
-    # A batch of prompts (SGLang flavour only); empty for the usual single ``prompt``.
+    # A batch of prompts; empty for the usual single ``prompt``.
     prompts: tuple[str | list[int], ...] = ()
 
     @property
@@ -298,7 +298,10 @@ def parse_request(
     rid: str | None = None
     include_usage = False
     prompts: list[str | list[int]]
-    batch_ok = flavor == "sglang"  # SGLang serves lists of prompts; the other flavours refuse them
+    # Lists of prompts: SGLang serves them on /generate and /v1/completions, vLLM on /v1/completions
+    # (its CompletionRequest.prompt is str | list[str] | list[int] | list[list[int]]); the lenient
+    # flavour takes either.
+    batch_ok = flavor != "vllm" or api == "completions"
     if api == "generate":
         rid_v = body.get("rid")
         if batch_ok and isinstance(rid_v, list) and rid_v and all(isinstance(r, str) for r in rid_v):
@@ -362,6 +365,16 @@ def parse_request(
         n = _n(_opt_int(body, "n"), limits, "n")
         if api == "completions":
             prompts = _completion_prompts(body.get("prompt"), batch_ok)
+            if flavor == "vllm" and len(prompts) > 1 and kv is not None:
+                # vLLM runs each prompt with the request's kv_transfer_params but answers with the
+                # first prompt's only: a decode leg would read one prompt's KV for every prompt.
+                raise BadRequest(
+                    f"a batch of {len(prompts)} prompts with 'kv_transfer_params': vLLM returns the "
+                    "first prompt's transfer parameters only, so decode would pair every prompt with "
+                    "one prompt's KV; send one prompt per PD request",
+                    param="kv_transfer_params",
+                    code="batch_with_kv_transfer_params",
+                )
             param = "max_tokens"
             mt = _opt_int(body, "max_tokens")
         else:
@@ -433,9 +446,11 @@ def _completion_prompt(v: object) -> str | list[int]:
         ids = _token_ids(inner, "prompt")
         if ids is not None:
             return ids
-    if isinstance(v, list) and len(v) > 1 and all(isinstance(x, str | list) for x in v):
-        raise BadRequest("batched prompts are not supported; send one prompt per request", param="prompt")
-    raise BadRequest("'prompt' must be a string or a list of token ids", param="prompt", code="invalid_type")
+    raise BadRequest(
+        "'prompt' must be a string, a list of token ids, or a list of either (a batch)",
+        param="prompt",
+        code="invalid_type",
+    )
 
 
 def _chat_prompt(v: object) -> str:

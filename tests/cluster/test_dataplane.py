@@ -157,7 +157,8 @@ def clear_engine_logs(fleet: Fleet) -> None:
 
 
 def test_engines_get_bodies_they_accept(fleet: Fleet) -> None:
-    """min_tokens, n > 1 and a reused X-Request-Id, checked against what each engine received."""
+    """min_tokens, n > 1, a batch of prompts and a reused X-Request-Id, checked against what each
+    engine received (issue 15 item 7)."""
     clear_engine_logs(fleet)
     body = {"model": "sim", "prompt": "at least three", "max_tokens": 5, "min_tokens": 3}
     r = post(fleet.url + "/v1/completions", body, headers={"X-Request-Id": "client-7"})
@@ -172,6 +173,12 @@ def test_engines_get_bodies_they_accept(fleet: Fleet) -> None:
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         same = list(pool.map(reuse, range(2)))
     assert [s.status_code for s in same] == [200, 200] and all("[DONE]" in s.text for s in same)
+    # A batch with n = 2 and min_tokens, under an id the client already used.
+    batch = {"model": "sim", "prompt": ["batch one", "batch two"], "n": 2, "max_tokens": 4, "min_tokens": 2}
+    r = post(fleet.url + "/v1/completions", batch, headers={"X-Request-Id": "client-7"})
+    assert r.status_code == 200, r.text
+    assert r.headers["X-Request-Id"] == "client-7"
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2, 3]
     full = fleet.client().chat.completions.create(
         model="sim", messages=[{"role": "user", "content": "two please"}], max_tokens=3, n=2
     )
@@ -187,6 +194,30 @@ def test_engines_get_bodies_they_accept(fleet: Fleet) -> None:
             assert "min_tokens" not in r["body"] and r["body"]["max_tokens"] == 1
         else:
             assert r["body"]["min_tokens"] == 3
+    # The batch reached the engines one prompt per request (vLLM answers a batch's PD leg with the
+    # first prompt's kv_transfer_params only; SGLang needs a room per sample), all on one P/D pair.
+    parts = [r for r in log if r["body"].get("prompt") in ("batch one", "batch two")]
+    assert parts and all(r["status"] == 200 for r in parts), parts
+    assert {r["engine"] for r in parts if r["engine"] in DECODE} and len({r["engine"] for r in parts}) == 2
+    for prompt in ("batch one", "batch two"):
+        legs = [r for r in parts if r["body"]["prompt"] == prompt]
+        p_legs = [r["body"] for r in legs if r["engine"] in PREFILL]
+        d_legs = [r["body"] for r in legs if r["engine"] in DECODE]
+        if fleet.protocol == "vllm":
+            # P: one token, no minimum, one sample; D: the client's n and min_tokens with P's params.
+            assert len(p_legs) == 1 and len(d_legs) == 1, legs
+            assert p_legs[0]["max_tokens"] == 1 and p_legs[0]["n"] == 1 and "min_tokens" not in p_legs[0]
+            assert p_legs[0]["kv_transfer_params"]["do_remote_decode"] is True
+            assert d_legs[0]["n"] == 2 and d_legs[0]["min_tokens"] == 2 and d_legs[0]["max_tokens"] == 4
+            assert d_legs[0]["kv_transfer_params"]["do_remote_prefill"] is True
+        else:
+            # One request per sample, each with its own room, the same body to P and D.
+            assert len(p_legs) == 2 and len(d_legs) == 2, legs
+            assert all(b.get("n", 1) == 1 and b["min_tokens"] == 2 for b in p_legs + d_legs)
+            assert {b["bootstrap_room"] for b in p_legs} == {b["bootstrap_room"] for b in d_legs}
+            assert len({b["bootstrap_room"] for b in d_legs}) == 2
+    part_ids = [r["request_id"] for r in parts if r["engine"] in DECODE]
+    assert len(part_ids) == len(set(part_ids)) and "client-7" not in part_ids
     chat = [r for r in log if "messages" in r["body"]]
     if fleet.protocol == "sglang":
         # n = 2 became two single-sample requests, each with its own room on both engines

@@ -6,6 +6,7 @@ Real processes on loopback: etcd, a master, agents and pdsim engines.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -14,9 +15,10 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import openai
 import pytest
 
-from pdcoord.dev.cluster import LocalCluster
+from pdcoord.dev.cluster import LocalCluster, scrape_metrics
 from pdcoord.dev.launcher import ProcessGroup
 from tests.cluster.cluster_helpers import cluster_load, summarize
 
@@ -230,3 +232,152 @@ def test_an_engine_failing_half_its_requests_trips_the_breaker(  # type: ignore[
     assert sum(1 for r in results if r.ok) >= 100
     bad = [r for r in results if r.status not in (200, 429, 502, 503)]
     assert not bad, summarize(bad)
+
+
+def _active(c: LocalCluster, node: str) -> int:
+    """Slots of this master's leases on ``node`` (the admission core's view)."""
+    return int(c.masters["m1"].admission()["admission_nodes"][node]["active"])
+
+
+def _set_faults(c: LocalCluster, node: str, method: str, body: dict[str, Any] | None = None) -> None:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(
+        c.engines[node].url + "/admin/faults",
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=5) as r:
+        r.read()
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_a_stream_stalled_mid_way_ends_releases_and_cancels(  # type: ignore[no-untyped-def]
+    etcd, proc_group: ProcessGroup, protocol: str
+) -> None:
+    """A decode engine stops sending mid-answer (pdsim's hang_after_chunks keeps the connection open).
+    The idle timeout ends a stream with an SSE error event after its first chunks; a whole answer
+    (nothing is sent before it is complete) ends with 504 at the first-byte timeout. Either way the
+    lease is released, the engine sees its request cancelled, and the failure counts for the breaker;
+    once the fault clears, the node serves again.
+
+    One decode node and --max-retries 0: the 504 is the subject here (retries are the breaker test's);
+    --breaker-failures 2 so the two stalled requests also take the node out, and its return is seen."""
+    # The first-byte timeout well above the idle one: a stall after the first chunks must end at
+    # the idle timeout, not wait for the first-byte deadline.
+    idle, first_byte = 2.0, 20.0
+    c = LocalCluster(proc_group, etcd.endpoint, f"stall-{protocol}-{time.monotonic_ns()}")
+    c.start_master(
+        "m1", model="sim", engine_protocol=protocol, engine_idle_timeout=idle,
+        engine_first_byte_timeout=first_byte, max_retries=0, breaker_failures=2, breaker_backoff=3,
+    )  # fmt: skip
+    c.start_node("p1", "prefill", 4, model="sim", engine_args={"api": protocol})
+    # health_timeout: pdsim's /health generates one token, which this fault lets out.
+    c.start_node("d1", "decode", 4, model="sim", engine_args={"api": protocol, "admin_port": 0})
+    c.wait_for(lambda: c.full_capacity_held(["m1"], {"p1": 4, "d1": 4}), timeout=30)
+    url = c.masters["m1"].url
+    d1 = c.engines["d1"].url
+    _set_faults(c, "d1", "POST", {"hang_after_chunks": 2})
+    cancelled0 = scrape_metrics(d1).get("pdsim_cancelled_total", 0.0)
+
+    # Streaming, through the real openai client. First a batch (one engine request per prompt,
+    # merged): two chunks per prompt, then an SSE error event, not a hang; every part cancelled.
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    texts: list[str] = []
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError) as err:
+        for chunk in client.completions.create(
+            model="sim", prompt=["one", "two"], max_tokens=50, stream=True
+        ):
+            texts += [ch.text for ch in chunk.choices]
+    took = time.monotonic() - t0
+    assert sorted(texts) == [" tok1", " tok1", " tok2", " tok2"], texts
+    assert "decode stream failed" in str(err.value), err.value
+    assert idle <= took < first_byte, took
+    c.wait_for(lambda: scrape_metrics(d1).get("pdsim_hung_requests") == 0.0, timeout=20)
+    assert scrape_metrics(d1)["pdsim_cancelled_total"] >= cancelled0 + 2
+    c.wait_for(lambda: _active(c, "d1") == 0, timeout=20)
+
+    # A single stream: the same, and the stall counts for the breaker.
+    texts = []
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError) as err:
+        for chunk in client.completions.create(model="sim", prompt="stall me", max_tokens=50, stream=True):
+            texts += [ch.text for ch in chunk.choices]
+    took = time.monotonic() - t0
+    assert texts == [" tok1", " tok2"], texts
+    assert "decode stream failed" in str(err.value) and "mid-response" in str(err.value), err.value
+    assert idle <= took < first_byte, took  # generous: a loaded machine
+    c.wait_for(lambda: scrape_metrics(d1).get("pdsim_hung_requests") == 0.0, timeout=20)
+    assert scrape_metrics(d1)["pdsim_cancelled_total"] >= cancelled0 + 3
+    c.wait_for(lambda: _active(c, "d1") == 0, timeout=20)
+    assert _metric(c, r'pdcoord_engine_failures_total\{kind="timeout",node="d1"\}') == 1
+
+    # Whole answer: the engine sends nothing before it is complete, so the first-byte timeout ends it.
+    t0 = time.monotonic()
+    status, retries = _post(url, timeout=60)
+    took = time.monotonic() - t0
+    assert status == 504 and retries == "", (status, retries)
+    assert first_byte <= took < first_byte + 20, took
+    c.wait_for(lambda: scrape_metrics(d1).get("pdsim_hung_requests") == 0.0, timeout=20)
+    assert scrape_metrics(d1)["pdsim_cancelled_total"] >= cancelled0 + 4
+    c.wait_for(lambda: _active(c, "d1") == 0, timeout=20)
+    assert _metric(c, r'pdcoord_engine_failures_total\{kind="timeout",node="d1"\}') == 2
+    # --breaker-failures 2: the node is out (half-open once the backoff has passed: one trial slot)
+    node = _node(c, "d1")
+    assert node["breaker_state"] in ("open", "half_open") and node["effective_share"] <= 1, node
+    assert _metric(c, r'pdcoord_engine_breaker_open\{node="d1"\}') == 1.0
+
+    # Fault cleared: a half-open trial succeeds and the node takes leases again.
+    _set_faults(c, "d1", "DELETE")
+    ok: list[int] = []
+
+    def back() -> bool:
+        ok.append(_post(url)[0])
+        return _node(c, "d1")["breaker_state"] == "closed" and 200 in ok
+
+    c.wait_for(back, timeout=30, interval=0.2)
+    assert _node(c, "d1")["effective_share"] == 4
+    c.wait_for(lambda: _active(c, "d1") == 0, timeout=20)
+
+
+def test_a_sigstopped_decode_engine_ends_its_streams_and_returns_after_sigcont(  # type: ignore[no-untyped-def]
+    etcd, proc_group: ProcessGroup
+) -> None:
+    """SIGSTOP a decode engine while it streams (a real hang, unlike pdsim's fault: nothing in the
+    engine runs): the client's stream ends with an SSE error at the idle timeout, the lease is
+    released, the node leaves placement; after SIGCONT the engine sees its request cancelled (the
+    master closed the connection) and the node comes back."""
+    idle = 2.0
+    c = LocalCluster(proc_group, etcd.endpoint, f"sigstop-{time.monotonic_ns()}")
+    c.start_master("m1", model="sim", engine_idle_timeout=idle, engine_first_byte_timeout=60)
+    c.start_node("p1", "prefill", 4, model="sim")
+    # 50 ms a token: a 400-token stream runs far longer than the test needs to stop it.
+    c.start_node("d1", "decode", 4, model="sim", engine_args={"decode_base_ms": 50})
+    c.wait_for(lambda: c.full_capacity_held(["m1"], {"p1": 4, "d1": 4}), timeout=30)
+    url = c.masters["m1"].url
+    d1 = c.engines["d1"]
+    cancelled0 = scrape_metrics(d1.url).get("pdsim_cancelled_total", 0.0)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    texts: list[str] = []
+    stopped_at = 0.0
+    try:
+        with pytest.raises(openai.APIError) as err:
+            for chunk in client.completions.create(model="sim", prompt="go on", max_tokens=400, stream=True):
+                texts += [ch.text for ch in chunk.choices]
+                if len(texts) == 3:
+                    d1.proc.send_signal(signal.SIGSTOP)
+                    stopped_at = time.monotonic()
+        took = time.monotonic() - stopped_at
+        assert stopped_at and len(texts) < 400, len(texts)
+        assert "decode stream failed" in str(err.value), err.value
+        assert took < idle + 20, took  # generous: a loaded machine
+        c.wait_for(lambda: _active(c, "d1") == 0, timeout=20)
+        assert _metric(c, r'pdcoord_engine_failures_total\{kind="timeout",node="d1"\}') >= 1
+        # The agent's liveness checks time out: the node takes no new leases.
+        c.wait_for(lambda: _node(c, "d1")["effective_share"] == 0, timeout=30, interval=0.1)
+    finally:
+        d1.proc.send_signal(signal.SIGCONT)
+    c.wait_for(lambda: scrape_metrics(d1.url)["pdsim_cancelled_total"] >= cancelled0 + 1, timeout=20)
+    c.wait_for(lambda: _node(c, "d1")["effective_share"] == 4, timeout=30, interval=0.1)
+    assert _post(url)[0] == 200

@@ -576,7 +576,7 @@ BAD_INPUTS: list[tuple[str, bytes, str | None]] = [
     ("/v1/completions", b'{"prompt": "x", "max_tokens": -1}', "max_tokens"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 10000000}', "max_tokens"),
     ("/v1/completions", b'{"prompt": "x", "stream": "yes"}', "stream"),
-    ("/v1/completions", b'{"prompt": ["a", "b"]}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["a", [1, 2]]}', "prompt"),  # a batch mixes no prompt forms
     ("/v1/completions", b'{"prompt": ""}', "prompt"),
     ("/v1/chat/completions", b'{"messages": []}', "messages"),
     ("/v1/chat/completions", b'{"messages": [{"role": "bot", "content": "x"}]}', "messages[0].role"),

@@ -170,6 +170,47 @@ async def test_vllm_pd_flow_passes_the_strict_checks(sims: Launch) -> None:
         assert status == 200 and out["choices"][0]["text"] == " tok1 tok2 tok3"
 
 
+async def test_vllm_accepts_the_prompt_forms_vllm_does(sims: Launch) -> None:
+    """vLLM's CompletionRequest.prompt: a string, a list of strings, a list of token ids, or a list
+    of lists of token ids; choices numbered prompt by prompt. The lenient flavour takes them too."""
+    d = sims("decode", "--api", "vllm")
+    lenient = sims("decode")
+    async with aiohttp.ClientSession() as s:
+        forms: list[tuple[Any, int]] = [
+            ("one", 1),
+            (["one", "two", "three"], 3),
+            ([11, 12, 13], 1),
+            ([[11, 12], [13], [14, 15, 16]], 3),
+            (["only"], 1),
+        ]
+        for sim in (d, lenient):
+            for prompt, count in forms:
+                status, out = await post(
+                    s, sim.url + "/v1/completions", {"prompt": prompt, "n": 2, "max_tokens": 2}
+                )
+                assert status == 200, (prompt, out)
+                assert [c["index"] for c in out["choices"]] == list(range(2 * count)), out
+                assert out["usage"]["completion_tokens"] == 2 * 2 * count
+        body = {"prompt": ["a", "b"], "max_tokens": 2, "stream": True}
+        async with s.post(d.url + "/v1/completions", json=body) as resp:
+            text = await resp.text()
+        events = [json.loads(x) for x in text.split("data: ")[1:] if not x.startswith("[DONE]")]
+        assert {c["index"] for e in events for c in e["choices"]} == {0, 1}
+        # What vLLM's request model refuses, pdsim refuses.
+        for bad in (["a", [1, 2]], [1, "a"], [["a"]], {"text": "a"}, 7):
+            status, out = await post(s, d.url + "/v1/completions", {"prompt": bad})
+            assert status == 400 and out["error"]["param"] == "prompt", (bad, out)
+        # A batch in a PD leg: vLLM answers with the first prompt's kv_transfer_params only.
+        status, out = await post(
+            s,
+            d.url + "/v1/completions",
+            {"prompt": ["a", "b"], "kv_transfer_params": {"do_remote_decode": True}},
+        )
+        assert status == 400 and out["error"]["code"] == "batch_with_kv_transfer_params", out
+        # vLLM has no /generate, batch or not.
+        assert (await post(s, d.url + "/generate", {"text": ["a", "b"]}))[0] == 404
+
+
 # ---- SGLang ------------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ a failure; elsewhere it skips these tests with the reason.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import json
 import os
@@ -550,6 +551,101 @@ def test_agent_options_follow_values(helm: str) -> None:
     assert flags(master)["cluster"] == "fleet-a"
 
 
+# Chart value -> the binary's flag, for the engine-fault options (DESIGN §7).
+MASTER_FAULT_FLAGS = {
+    ("engineTimeouts", "connect"): "engine-connect-timeout",
+    ("engineTimeouts", "firstByte"): "engine-first-byte-timeout",
+    ("engineTimeouts", "idle"): "engine-idle-timeout",
+    ("breaker", "failures"): "breaker-failures",
+    ("breaker", "backoff"): "breaker-backoff",
+    ("breaker", "backoffMax"): "breaker-backoff-max",
+    ("maxRetries",): "max-retries",
+}
+AGENT_HEALTH_FLAGS = {
+    "interval": "health-interval",
+    "timeout": "health-timeout",
+    "failures": "health-failures",
+    "successes": "health-successes",
+}
+
+
+def _cli_defaults(module: str) -> dict[str, Any]:
+    """The binary's own flag defaults, by flag name."""
+    parser = importlib.import_module(module).build_parser()
+    return {a.option_strings[0][2:]: a.default for a in parser._actions if a.option_strings}
+
+
+def _value(values: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        values = values[key]
+    return values
+
+
+def test_engine_fault_defaults_are_the_binaries_defaults(helm: str) -> None:
+    chart_values = yaml.safe_load((CHART / "values.yaml").read_text())
+    docs = render({"demo": {"enabled": True}})
+    master_defaults = _cli_defaults("pdmaster.main")
+    f = flags(master_container(docs))
+    for path, flag in MASTER_FAULT_FLAGS.items():
+        default = master_defaults[flag]
+        assert _value(chart_values["master"], path) == default, (path, default)
+        assert f[flag] is not None and float(f[flag] or "nan") == default, (flag, f[flag], default)
+    agent_defaults = _cli_defaults("nodeagent.main")
+    health = chart_values["nodeagent"]["engineHealth"]
+    assert health["enabled"] is True and agent_defaults["no-health-check"] is False
+    agents = list(agent_containers(docs))
+    assert agents
+    for _, agent in agents:
+        af = flags(agent)
+        assert "no-health-check" not in af
+        for key, flag in AGENT_HEALTH_FLAGS.items():
+            assert health[key] == agent_defaults[flag], (key, agent_defaults[flag])
+            assert float(af[flag] or "nan") == agent_defaults[flag], (flag, af[flag])
+
+
+def test_engine_fault_options_follow_values(helm: str) -> None:
+    docs = render(
+        {
+            "demo": {"enabled": True},
+            "master": {
+                "engineTimeouts": {"connect": 2, "firstByte": 90.5, "idle": 15},
+                "breaker": {"failures": 5, "backoff": 0.5, "backoffMax": 60},
+                "maxRetries": 0,
+            },
+            "nodeagent": {
+                "engineHealth": {
+                    "enabled": True,
+                    "interval": 0.25,
+                    "timeout": 5,
+                    "failures": 4,
+                    "successes": 1,
+                }
+            },
+        }
+    )
+    f = flags(master_container(docs))
+    assert (f["engine-connect-timeout"], f["engine-first-byte-timeout"], f["engine-idle-timeout"]) == (
+        "2",
+        "90.5",
+        "15",
+    )
+    assert (f["breaker-failures"], f["breaker-backoff"], f["breaker-backoff-max"]) == ("5", "0.5", "60")
+    assert f["max-retries"] == "0"
+    for _, agent in agent_containers(docs):
+        af = flags(agent)
+        got = tuple(af[x] for x in AGENT_HEALTH_FLAGS.values())
+        assert got == ("0.25", "5", "4", "1")
+    off = render({"demo": {"enabled": True}, "nodeagent": {"engineHealth": {"enabled": False}}})
+    for _, agent in agent_containers(off):
+        af = flags(agent)
+        assert "no-health-check" in af and not set(AGENT_HEALTH_FLAGS.values()) & set(af)
+
+
+def test_breaker_backoff_above_its_cap_is_refused(helm: str) -> None:
+    proc = _template(json.dumps({"master": {"breaker": {"backoff": 60, "backoffMax": 30}}}))
+    assert proc.returncode != 0 and "must not exceed master.breaker.backoffMax" in proc.stderr
+
+
 # --- security: TLS, etcd auth, API keys, admin port -------------------------------------------------
 
 
@@ -709,6 +805,17 @@ BAD_VALUES = {
     "unknown-tls-key": ({"tls": {"grpc": {"cert": "x"}}}, "cert"),
     "bad-handover": ({"nodeagent": {"handover": "eventually"}}, "handover"),
     "bad-share-policy": ({"nodeagent": {"sharePolicy": "random"}}, "sharePolicy"),
+    "negative-idle-timeout": ({"master": {"engineTimeouts": {"idle": -1}}}, "idle"),
+    "zero-first-byte-timeout": ({"master": {"engineTimeouts": {"firstByte": 0}}}, "firstByte"),
+    "string-connect-timeout": ({"master": {"engineTimeouts": {"connect": "5s"}}}, "connect"),
+    "zero-breaker-failures": ({"master": {"breaker": {"failures": 0}}}, "failures"),
+    "negative-breaker-backoff": ({"master": {"breaker": {"backoff": -1}}}, "backoff"),
+    "negative-retries": ({"master": {"maxRetries": -1}}, "maxRetries"),
+    "fractional-retries": ({"master": {"maxRetries": 1.5}}, "maxRetries"),
+    "zero-health-interval": ({"nodeagent": {"engineHealth": {"interval": 0}}}, "interval"),
+    "negative-health-timeout": ({"nodeagent": {"engineHealth": {"timeout": -3}}}, "timeout"),
+    "zero-health-successes": ({"nodeagent": {"engineHealth": {"successes": 0}}}, "successes"),
+    "unknown-health-key": ({"nodeagent": {"engineHealth": {"path": "/healthz"}}}, "path"),
 }
 
 

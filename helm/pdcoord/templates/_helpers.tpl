@@ -253,6 +253,14 @@ the volumes of "pdcoord.nodeagent.volumes".
     - --handover={{ default "strict" $na.handover }}
     - --share-policy={{ default "static" $na.sharePolicy }}
     - --health-port={{ int $na.healthPort }}
+    {{- if $na.engineHealth.enabled }}
+    - --health-interval={{ $na.engineHealth.interval }}
+    - --health-timeout={{ $na.engineHealth.timeout }}
+    - --health-failures={{ int $na.engineHealth.failures }}
+    - --health-successes={{ int $na.engineHealth.successes }}
+    {{- else }}
+    - --no-health-check
+    {{- end }}
     - --lease-ttl={{ $root.Values.leaseTtl }}
     - --log-level={{ $root.Values.logLevel }}
     {{- if include "pdcoord.grpc.agentSecret" $root }}

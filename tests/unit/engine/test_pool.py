@@ -289,6 +289,50 @@ async def test_a_relayed_exchange_leaves_no_reference_cycle(body_later: bool) ->
     await server.wait_closed()
 
 
+async def test_a_stall_after_the_first_bytes_ends_at_the_idle_timeout_not_the_first_byte_one(
+    raw: RawServer,
+) -> None:
+    """A stream that stops after its first chunk: the idle timeout ends it, long before the (much
+    longer) first-byte timeout, whose timer was armed when the request was sent."""
+    raw.pieces = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"]  # then nothing
+    async with pool(first_byte_timeout_s=60, idle_timeout_s=0.3) as p:
+        ex = await p.send(raw.endpoint, "/x", b"{}", {})
+        await ex.head()
+        with pytest.raises(EngineError) as info:
+            await asyncio.wait_for(ex.wait(), 20)  # generous, and still a third of the first-byte one
+        assert info.value.kind == "timeout" and info.value.status == 504
+        assert "mid-response" in info.value.message
+        await asyncio.wait_for(raw.disconnected.wait(), 5)
+
+
+async def test_a_stream_that_keeps_sending_outlives_the_idle_timeout() -> None:
+    """Gaps shorter than the idle timeout never end a stream, however long it runs."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for _ in range(8):
+            await resp.write(b"tick")
+            await asyncio.sleep(0.1)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/s", stream)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with pool(first_byte_timeout_s=0.5, idle_timeout_s=0.5) as p:
+            ex = await p.send(f"http://127.0.0.1:{port}", "/s", b"", {})
+            body = await asyncio.wait_for(ex.read(), 20)
+            assert body == b"tick" * 8
+    finally:
+        await runner.cleanup()
+
+
 async def test_header_injection_is_refused(raw: RawServer) -> None:
     async with pool() as p:
         with pytest.raises(ValueError, match="line break"):
