@@ -43,6 +43,8 @@ GRPC_CLIENT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.max_receive_message_length", 1 << 20),
+    # Small control messages only: no BDP pings (each is one more ping the master answers).
+    ("grpc.http2.bdp_probe", 0),
 ]
 
 _ROLE = {"prefill": pb.PREFILL, "decode": pb.DECODE}
