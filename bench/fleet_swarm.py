@@ -43,8 +43,13 @@ async def _engine() -> tuple[web.AppRunner, int]:
     async def metrics(_r: web.Request) -> web.Response:
         return web.Response(text=IDLE_METRICS)
 
+    async def health(_r: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
     app = web.Application()
     app.router.add_get("/n/{node}/metrics", metrics)
+    # The agents' engine liveness check: without it every node counts as down and holds no share.
+    app.router.add_get("/n/{node}/health", health)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

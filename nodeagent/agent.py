@@ -43,6 +43,8 @@ GRPC_CLIENT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.max_receive_message_length", 1 << 20),
+    # Small control messages only: no BDP pings (each is one more ping the master answers).
+    ("grpc.http2.bdp_probe", 0),
 ]
 
 _ROLE = {"prefill": pb.PREFILL, "decode": pb.DECODE}
@@ -60,9 +62,10 @@ class AgentConfig:
     endpoint: str
     running_max_req_size: int
     start_args: dict[str, str] = field(default_factory=dict)
-    # Heartbeat: a report when nothing changed. A grant change is reported at once; liveness is
-    # gRPC keep-alive's job; so this only bounds how stale the master's view of the load gets.
-    report_interval: float = 10.0
+    # Heartbeat: a report when nothing changed. A grant change is reported at once, a load change
+    # within load_report_interval, and liveness is gRPC keep-alive's job, so a heartbeat carries
+    # nothing new; at 10 s the heartbeats cost a master 0.3 % of a core per 100 idle agents.
+    report_interval: float = 30.0
     # A load change (display only on the master) is reported at most this often.
     load_report_interval: float = 2.0
     # Engine probe period while no handover waits for the engine's count (then 0.25 s).

@@ -117,7 +117,7 @@ def build_parser() -> EnvArgumentParser:
     g.add_argument(
         "--report-interval",
         type=positive_float,
-        default=10.0,
+        default=30.0,
         help="heartbeat: seconds between reports when nothing changes (a grant change is reported at "
         "once; a dead stream is noticed by gRPC keep-alive)",
     )

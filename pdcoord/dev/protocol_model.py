@@ -50,7 +50,7 @@ class SimConfig:
     probe_s: float = 0.5
     # A partition is noticed by the master within this (its keep-alive) and by the agent within
     # agent_detect_s; the master's must be below the grace for strict handover to hold.
-    master_detect_s: float = 0.75
+    master_detect_s: float = 0.9
     agent_detect_s: float = 2.0
     lease_ttl_s: float = 5.0
     watch_delay_s: tuple[float, float] = (0.001, 0.05)
