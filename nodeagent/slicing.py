@@ -224,6 +224,11 @@ class Slicer:
             view.connected = False
             view.down_since = now
             self._last_up[master_id] = now
+            # A master that left the split earlier (it drains) was released by its own Acks while
+            # reachable; from now on only engine samples can release what it still runs, and only
+            # those taken after it could have noticed the stream is gone (it may stop its leases
+            # then, or still be running them: the sample must be able to see them).
+            self._ho.hold_orphan(master_id, now + self.peer_detect_s)
         if not view.in_etcd:
             del self.views[master_id]
         return self._recompute(now, time_ns)
