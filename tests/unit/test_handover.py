@@ -14,8 +14,12 @@ ids = st.text(alphabet=string.ascii_lowercase, min_size=1, max_size=4)
 
 
 def started(capacity: int, masters: list[str], **kw: object) -> Slicer:
-    """A strict slicer whose startup reservation has been released by an idle engine sample."""
+    """A strict slicer whose startup reservation has been released by an idle engine sample.
+
+    The even split unless the test asks for ``policy="demand"``: these tests follow the handover's
+    steps, which demand-following targets would move under them."""
     kw.setdefault("grace", 1.0)
+    kw.setdefault("policy", "static")
     s = Slicer(node_id="d1", capacity=capacity, policy=SharePolicy(**kw))  # type: ignore[arg-type]
     s.set_masters(masters, 0.0, 1)
     for m in masters:
@@ -122,7 +126,7 @@ def test_a_returning_master_reports_the_truth_and_frees_its_reservation() -> Non
 
 
 def test_fast_mode_grants_targets_at_once() -> None:
-    s = Slicer(node_id="d1", capacity=8, policy=SharePolicy(handover="fast"))
+    s = Slicer(node_id="d1", capacity=8, policy=SharePolicy(handover="fast", policy="static"))
     s.set_masters(["a", "b"], 0.0, 1)
     assert dict(s.shares) == {"a": 4, "b": 4}
     s.on_ack("a", s.epoch, 4, 0, 0.1, 2)
