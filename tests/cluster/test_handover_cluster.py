@@ -145,7 +145,7 @@ def test_demand_shares_follow_a_90_10_split_with_real_processes(
     same load, so both halves of the run see the same processes and clients.
     """
     masters = ["m1", "m2"]
-    start_fleet(cluster, masters, agent_extra={"lease_ttl": 2})
+    start_fleet(cluster, masters, agent_extra={"lease_ttl": 2, "share_policy": "static"})
     m1, m2 = (cluster.masters[m].url for m in masters)
 
     def measure(seconds: float) -> tuple[float, dict[str, int]]:
