@@ -110,6 +110,12 @@ class Handover:
         if slots > 0:
             self.orphans[master_id] = Orphan(slots, now, epoch, not_before)
 
+    def hold_orphan(self, master_id: str, not_before: float) -> None:
+        """No engine sample taken before ``not_before`` may release this master's orphan."""
+        o = self.orphans.get(master_id)
+        if o is not None:
+            o.not_before = max(o.not_before, not_before)
+
     # -- inputs -------------------------------------------------------------------------------
     def ack(
         self, master_id: str, applied_epoch: int, active: int, wanted: int, draining: bool = False

@@ -120,7 +120,7 @@ class SharePolicy:
     """How a node's capacity is split and handed over; the fields are the agent's flags of the same
     names (``--share-policy`` is ``policy``, ``--share-floor`` is ``floor``), carried unchanged."""
 
-    policy: str = "static"  # static: even split; demand: follow active + wanted slots
+    policy: str = "demand"  # demand: follow active + wanted slots (even when idle); static: even split
     handover: str = "strict"  # strict: shrink before grow; fast: shares move at once
     grace: float = 1.0  # seconds a master's stream may be down before it leaves the split
     floor: int = 1  # demand: slots every live master keeps
@@ -224,6 +224,11 @@ class Slicer:
             view.connected = False
             view.down_since = now
             self._last_up[master_id] = now
+            # A master that left the split earlier (it drains) was released by its own Acks while
+            # reachable; from now on only engine samples can release what it still runs, and only
+            # those taken after it could have noticed the stream is gone (it may stop its leases
+            # then, or still be running them: the sample must be able to see them).
+            self._ho.hold_orphan(master_id, now + self.peer_detect_s)
         if not view.in_etcd:
             del self.views[master_id]
         return self._recompute(now, time_ns)

@@ -56,6 +56,17 @@ class SimConfig:
     watch_delay_s: tuple[float, float] = (0.001, 0.05)
     drain_timeout_s: float = 10.0
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    # Masters started at the beginning (default: all of ``masters``); the others start by churn.
+    start_masters: tuple[str, ...] | None = None
+    # Scheduled churn after the warm-up: (time, "join" | "drain" | "die", master), time in seconds
+    # from the start of the run. A master's traffic moves to the masters that take requests then
+    # (``rates`` are weights: the total offered load stays the same), as a load balancer would.
+    churn: tuple[tuple[float, str, str], ...] = ()
+    restart_left: bool = True  # a master that left (drained) starts again, as in the chaos phase
+    # Check the invariant after arrivals and lease ends too. They cannot raise it (a lease is
+    # granted only within the master's share, a lease end lowers it), so a benchmark of a large
+    # fleet may check after protocol events only; the tests check after every event.
+    check_traffic_events: bool = True
 
 
 @dataclass
@@ -120,6 +131,10 @@ class Stats:
     busy_slot_s: float = 0.0  # Σ over time of leases running, for utilisation
     measured_s: float = 0.0
     events: int = 0
+    # Per churn event: (time, kind, master, seconds until every node converged; None: not within
+    # 30 s or not before the run ended).
+    convergence: list[tuple[float, str, str, float | None]] = field(default_factory=list)
+    left: dict[str, float] = field(default_factory=dict)  # when a master revoked its etcd key
 
 
 class ProtocolSim:
@@ -139,6 +154,9 @@ class ProtocolSim:
         self._last_t = 0.0
         self.faults_on = True
         self.arrivals_on = True
+        self._skip_check = False
+        started = cfg.masters if cfg.start_masters is None else cfg.start_masters
+        self.routable: set[str] = set(started)  # masters the load balancer sends requests to
 
     # -- event loop ---------------------------------------------------------------------------
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -159,9 +177,11 @@ class ProtocolSim:
             t, _, fn = heapq.heappop(self._q)
             self._account(t)
             self.now = t
+            self._skip_check = False
             fn()
             self.stats.events += 1
-            self.check()
+            if not self._skip_check:
+                self.check()
         self._account(t_end)
         self.now = t_end
 
@@ -197,8 +217,10 @@ class ProtocolSim:
     # -- scenario -----------------------------------------------------------------------------
     def run(self) -> Stats:
         cfg = self.cfg
-        for m in cfg.masters:
+        for m in cfg.masters if cfg.start_masters is None else cfg.start_masters:
             self.after(self.rng.uniform(0, 0.5), lambda m=m: self.master_start(m))  # type: ignore[misc]
+        for t, kind, mid in cfg.churn:
+            self.at(t, lambda kind=kind, mid=mid: self.churn(kind, mid))  # type: ignore[misc]
         for a in self.agents.values():
             self.after(self.rng.uniform(0, 0.5), lambda a=a: self.agent_start(a))  # type: ignore[misc]
         for a in self.agents.values():
@@ -214,13 +236,62 @@ class ProtocolSim:
             if not a.alive:
                 self.agent_start(a)
         for sm in self.masters.values():
-            if not sm.alive and not sm.draining:
+            if not sm.alive and not sm.draining and sm.mid in self.routable:
                 self.master_start(sm.mid)
         self.measure_from = self.now
         self.run_until(cfg.chaos_s + cfg.settle_s - cfg.quiet_s)
         self.arrivals_on = False
         self.run_until(cfg.chaos_s + cfg.settle_s)
+        recorded = {(t, k, m) for t, k, m, _ in self.stats.convergence}
+        for t, kind, mid in cfg.churn:
+            if t <= self.now and (t, kind, mid) not in recorded:
+                self.stats.convergence.append((t, kind, mid, None))
         return self.stats
+
+    def churn(self, kind: str, mid: str) -> None:
+        m = self.masters[mid]
+        t0 = self.now
+        if kind == "join":
+            self.routable.add(mid)
+            self.master_start(mid)
+        elif kind == "drain":
+            self.routable.discard(mid)
+            if m.alive:
+                self.master_drain(m)
+        elif kind == "die":
+            self.routable.discard(mid)
+            if m.alive:
+                self.master_crash(m)
+        else:
+            raise ValueError(f"unknown churn {kind!r}")
+        self.after(0.05, lambda: self._await_convergence(t0, kind, mid))
+
+    def _await_convergence(self, t0: float, kind: str, mid: str, done: set[str] | None = None) -> None:
+        done = set() if done is None else done
+        done |= {a.node for a in self.agents.values() if a.node not in done and self.node_converged(a)}
+        if len(done) == len(self.agents):
+            self.stats.convergence.append((t0, kind, mid, self.now - t0))
+        elif self.now - t0 > 30.0:
+            self.stats.convergence.append((t0, kind, mid, None))
+        else:
+            self.after(0.05, lambda: self._await_convergence(t0, kind, mid, done))
+
+    def node_converged(self, a: SimAgent) -> bool:
+        """The node splits among exactly the masters that take requests, nothing is reserved for a
+        master that left, every master holds what the agent grants it, and no slot is left free
+        (every slot is granted to, or still used by, a live master: the node is work-conserving).
+        A node counts as converged from the first time this holds after a churn event."""
+        live = tuple(
+            sorted(m for m in self.routable if self.masters[m].alive and not self.masters[m].draining)
+        )
+        s = a.slicer
+        if s is None or s.members(self.now) != live or s._ho.orphans or s._ho.free() != 0:
+            return False
+        for mid in live:
+            n = self.masters[mid].registry.nodes.get(a.node)
+            if n is None or n.effective_share != s.share_for(mid):
+                return False
+        return True
 
     def fault(self) -> None:
         if not self.faults_on:
@@ -317,6 +388,18 @@ class ProtocolSim:
 
     def _rate(self, mid: str) -> float:
         rates = self.cfg.rates or {}
+        if self.cfg.churn and rates:
+            # Weights: the offered load is spread over the masters that take requests now.
+            live = [m for m in self.routable if self.masters[m].alive and not self.masters[m].draining]
+            total = sum(
+                rates.get(m, 0.0)
+                for m in self.cfg.masters
+                if m in rates and (self.cfg.start_masters is None or m in self.cfg.start_masters)
+            )
+            weight = sum(rates.get(m, 0.0) for m in live)
+            if mid not in live or weight <= 0:
+                return 1e-6
+            return max(rates.get(mid, 0.0) * total / weight, 1e-6)
         return max(rates.get(mid, 40.0), 1e-6)
 
     def master_shares(self, m: SimMaster, shares: Any) -> None:
@@ -342,6 +425,7 @@ class ProtocolSim:
         self.after(hold, lambda inc=m.inc: self.lease_end(m, inc, t))  # type: ignore[misc]
 
     def lease_end(self, m: SimMaster, inc: int, t: Ticket) -> None:
+        self._skip_check = not self.cfg.check_traffic_events
         if m.inc != inc or not m.alive or m.core is None:
             return  # the process died with its leases
         m.leases.pop(t.id, None)
@@ -350,6 +434,7 @@ class ProtocolSim:
             self.master_leave(m)
 
     def arrival(self, m: SimMaster, inc: int) -> None:
+        self._skip_check = not self.cfg.check_traffic_events
         if m.inc != inc or not m.alive or m.core is None:
             return
         self.after(self.rng.expovariate(self._rate(m.mid)), lambda: self.arrival(m, inc))
@@ -360,6 +445,7 @@ class ProtocolSim:
         self.master_changes(m, [t, *(x for x in m.core.last_changes if x is not t)])
 
     def master_timers(self) -> None:
+        self._skip_check = not self.cfg.check_traffic_events  # expiry ends tickets, grants within shares
         for m in self.masters.values():
             if m.alive and m.core is not None:
                 self.master_changes(m, m.core.expire())
@@ -392,6 +478,7 @@ class ProtocolSim:
         if not m.alive:
             return
         # Revoke the lease, then stop: streams close cleanly; leases past the drain timeout end.
+        self.stats.left[m.mid] = self.now
         self.etcd.discard(m.mid)
         m.in_etcd = False
         self.etcd_changed()
@@ -410,7 +497,8 @@ class ProtocolSim:
                 self.after(self.delay(), lambda s=s: self.agent_stream_closed(s))  # type: ignore[misc]
             m.streams = {}
             # Restarting in a loop; in the stable phase it comes back so every master is measured.
-            self.after(self.rng.uniform(0.5, 2.0), lambda: self.master_start(m.mid))
+            if self.cfg.restart_left:
+                self.after(self.rng.uniform(0.5, 2.0), lambda: self.master_start(m.mid))
 
         self.after(0.1, stop)
 

@@ -158,9 +158,9 @@ def test_rolling_restart_of_every_master_loses_nothing(cluster: LocalCluster, lo
         t1 = time.monotonic()
         start_master_retrying(cluster, mid)
         targets.add_when_ready(mid)
-        rejoin = cluster.wait_for(
-            lambda: cluster.share_table() == expected_share_table(masters, CAPS), timeout=15
-        )
+        # Under load the demand policy splits by what each master runs: every master back in the
+        # split and every node fully held is the convergence, whatever the split.
+        rejoin = cluster.wait_for(lambda: cluster.full_capacity_held(masters, CAPS), timeout=15)
         timings.append(
             f"{mid}: drained+exited {stopped:.2f}s, others full {handover:.2f}s later, "
             f"back and re-sliced {time.monotonic() - t1:.2f}s after restart (shares {rejoin:.2f}s)"
@@ -194,8 +194,9 @@ def test_rolling_restart_of_every_master_loses_nothing(cluster: LocalCluster, lo
 
 def test_agent_sigkill_and_restart_under_load(cluster: LocalCluster, load_guard: Loads) -> None:
     masters = ["m1", "m2"]
-    # A short agent lease so the restarted agent need not wait 5 s for its predecessor's key.
-    targets = start_fleet(cluster, masters, agent_extra={"lease_ttl": 2})
+    # A short agent lease so the restarted agent need not wait 5 s for its predecessor's key. The
+    # even split, so the capacity a master loses with d1 is known (demand would move d2's too).
+    targets = start_fleet(cluster, masters, agent_extra={"lease_ttl": 2, "share_policy": "static"})
     load = run_load(load_guard, targets, users=6, max_tokens=16, request_timeout_s=15)
     before_epoch = {m: cluster.masters[m].epochs()["d1"] for m in masters}
     before_cap = {m: cluster.masters[m].admission()["capacity"] for m in masters}
@@ -243,7 +244,8 @@ def test_agent_sigkill_and_restart_under_load(cluster: LocalCluster, load_guard:
 def test_etcd_restart_under_load(local_cluster: LocalCluster, local_etcd, load_guard: Loads) -> None:  # type: ignore[no-untyped-def]
     c = local_cluster
     masters = ["m1", "m2"]
-    targets = start_fleet(c, masters)
+    # The even split: shares must not move while etcd is down (demand would move them with the load).
+    targets = start_fleet(c, masters, agent_extra={"share_policy": "static"})
     load = run_load(load_guard, targets, users=6, max_tokens=16, request_timeout_s=15)
     shares_before = c.share_table()
 
@@ -258,9 +260,7 @@ def test_etcd_restart_under_load(local_cluster: LocalCluster, local_etcd, load_g
 
     c.start_master("m3", model=MODEL)
     t_join = time.monotonic()
-    converged = c.wait_for(
-        lambda: c.share_table() == expected_share_table(["m1", "m2", "m3"], CAPS), timeout=20
-    )
+    converged = c.wait_for(lambda: c.full_capacity_held(["m1", "m2", "m3"], CAPS), timeout=20)
     targets.add_when_ready("m3")
     time.sleep(1.0)
     results = load.stop()
@@ -286,7 +286,8 @@ def test_etcd_restart_under_load(local_cluster: LocalCluster, local_etcd, load_g
 
 def test_legacy_agent_beside_new_agents_under_load(cluster: LocalCluster, load_guard: Loads) -> None:
     masters = ["m1", "m2"]
-    targets = start_fleet(cluster, masters)
+    # The even split, so the shares the masters hold can be compared with the slicing function.
+    targets = start_fleet(cluster, masters, agent_extra={"share_policy": "static"})
     cluster.start_node("old", "decode", 4, model=MODEL, no_grant=True)
     want = {m: {**expected_share_table(masters, CAPS)[m], "old": 4} for m in masters}
     cluster.wait_for(lambda: cluster.share_table() == want, timeout=15)
@@ -374,7 +375,7 @@ def test_soak_random_kills_and_restarts(cluster: LocalCluster, load_guard: Loads
     for a in agents:
         if not cluster.agents[a].proc.alive:
             cluster.restart_agent(a)
-    cluster.wait_for(lambda: cluster.share_table() == expected_share_table(masters, CAPS), timeout=20)
+    cluster.wait_for(lambda: cluster.full_capacity_held(masters, CAPS), timeout=20)
     time.sleep(1.0)
     results = load.stop()
     leases = wait_no_leases(cluster)

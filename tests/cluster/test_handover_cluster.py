@@ -19,8 +19,23 @@ import pytest
 
 from pdcoord.dev.cluster import LocalCluster
 from pdcoord.dev.loadgen import HANG
-from tests.cluster.cluster_helpers import churn_masters, cluster_load, ready, summarize, wait_no_leases
-from tests.cluster.test_cluster_suite import DECODE, Loads, decode_queued, load_guard, run_load, start_fleet
+from tests.cluster.cluster_helpers import (
+    Targets,
+    churn_masters,
+    cluster_load,
+    ready,
+    summarize,
+    wait_no_leases,
+)
+from tests.cluster.test_cluster_suite import (
+    CAPS,
+    DECODE,
+    Loads,
+    decode_queued,
+    load_guard,
+    run_load,
+    start_fleet,
+)
 
 __all__ = ["load_guard"]  # the fixture, shared with the cluster suite
 
@@ -130,7 +145,7 @@ def test_demand_shares_follow_a_90_10_split_with_real_processes(
     same load, so both halves of the run see the same processes and clients.
     """
     masters = ["m1", "m2"]
-    start_fleet(cluster, masters, agent_extra={"lease_ttl": 2})
+    start_fleet(cluster, masters, agent_extra={"lease_ttl": 2, "share_policy": "static"})
     m1, m2 = (cluster.masters[m].url for m in masters)
 
     def measure(seconds: float) -> tuple[float, dict[str, int]]:
@@ -168,3 +183,71 @@ def test_demand_shares_follow_a_90_10_split_with_real_processes(
     assert sum(demand_caps.values()) <= sum(DECODE.values())
     assert demand_rps > static_rps, (static_rps, demand_rps)
     assert all(v == 0 for v in queued.values()), f"decode engines queued requests: {queued}"
+
+
+def test_demand_churn_three_masters(cluster: LocalCluster, load_guard: Loads) -> None:
+    """``--share-policy demand`` with 70/20/10 closed-loop traffic over three masters; the 20 %
+    master is SIGKILLed mid-run (its clients move to the busiest master) and a fourth master joins
+    (they move to it). Strict handover must hold throughout: the sampled Σ max(share, active) per
+    decode node never exceeds its capacity and the engines never queue a request."""
+    start_fleet(cluster, MASTERS, agent_extra={"share_policy": "demand"})
+    groups = {"m1": 14, "m2": 4, "m3": 2}  # 20 users over 12 decode slots: saturating
+    targets: dict[str, Targets] = {}
+    loads = []
+    for i, (mid, users) in enumerate(groups.items()):
+        t = Targets(cluster)
+        t.add_when_ready(mid)
+        targets[mid] = t
+        load = cluster_load(t, users=users, max_tokens=16, seed=20 + i, gangs=False, lb_retry=True)
+        load_guard.append(load.start())
+        loads.append(load)
+
+    def capacity(mid: str) -> int:
+        return int(cluster.masters[mid].admission()["capacity"])
+
+    with UsableSampler(cluster) as sampler:
+        # Demand moves slots to the busy master: more than the even split's 4 of 12.
+        took_skew = cluster.wait_for(lambda: capacity("m1") > 4, timeout=20, interval=0.1)
+        # Closed-loop demand moves all the time: the mean over a few seconds, not one reading.
+        readings = []
+        for _ in range(30):
+            readings.append({m: capacity(m) for m in MASTERS})
+            time.sleep(0.1)
+        skew = {m: round(sum(r[m] for r in readings) / len(readings), 1) for m in MASTERS}
+
+        t_kill = time.monotonic()
+        targets["m2"].add_when_ready("m1")
+        targets["m2"].remove("m2")
+        cluster.masters["m2"].proc.kill()
+        took_kill = cluster.wait_for(lambda: cluster.full_capacity_held(["m1", "m3"], CAPS), timeout=20)
+        time.sleep(3.0)
+
+        t_join = time.monotonic()
+        cluster.start_master("m4", model="sim")
+        targets["m2"].add_when_ready("m4")
+        targets["m2"].remove("m1")
+        cluster.wait_for(
+            lambda: cluster.full_capacity_held(["m1", "m3", "m4"], CAPS), timeout=20, interval=0.02
+        )
+        took_join = time.monotonic() - t_join  # from the start of its process
+        time.sleep(3.0)
+        after = {m: capacity(m) for m in ("m1", "m3", "m4")}
+        elapsed = time.monotonic() - t_kill
+    results = [r for load in loads for r in load.stop()]
+    queued = decode_queued(cluster)
+    peaks = dict(sampler.max_seen)
+    print(
+        f"\ndemand, 70/20/10 over 3 masters (12 decode slots): m1 held more than 4 after {took_skew:.1f}s, "
+        f"mean capacities {skew}; m2 SIGKILLed: m1+m3 held every node after {took_kill:.1f}s; m4 started: "
+        f"held its share after {took_join:.1f}s, capacities {after}; {len(results)} requests in "
+        f"{elapsed:.0f}s after the kill ({summarize(results)}); pdsim_queued_total {queued}; largest "
+        f"sampled Σ max(share, active) per node {peaks} in {sampler.samples} samples (capacity {DECODE})"
+    )
+    assert sum(r.ok for r in results) > 100, summarize(results)
+    assert not [r for r in results if r.status == HANG], summarize(results)
+    assert skew["m1"] > 4 and min(min(r.values()) for r in readings) >= len(DECODE), skew  # floor 1 a node
+    assert after["m4"] >= len(DECODE), after
+    assert sampler.samples > 20
+    assert all(v == 0 for v in queued.values()), f"decode engines queued requests: {queued}"
+    for node, cap in DECODE.items():
+        assert peaks[node] <= cap, f"{node}: masters could use {peaks[node]} > {cap} slots"

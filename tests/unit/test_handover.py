@@ -14,8 +14,12 @@ ids = st.text(alphabet=string.ascii_lowercase, min_size=1, max_size=4)
 
 
 def started(capacity: int, masters: list[str], **kw: object) -> Slicer:
-    """A strict slicer whose startup reservation has been released by an idle engine sample."""
+    """A strict slicer whose startup reservation has been released by an idle engine sample.
+
+    The even split unless the test asks for ``policy="demand"``: these tests follow the handover's
+    steps, which demand-following targets would move under them."""
     kw.setdefault("grace", 1.0)
+    kw.setdefault("policy", "static")
     s = Slicer(node_id="d1", capacity=capacity, policy=SharePolicy(**kw))  # type: ignore[arg-type]
     s.set_masters(masters, 0.0, 1)
     for m in masters:
@@ -122,7 +126,7 @@ def test_a_returning_master_reports_the_truth_and_frees_its_reservation() -> Non
 
 
 def test_fast_mode_grants_targets_at_once() -> None:
-    s = Slicer(node_id="d1", capacity=8, policy=SharePolicy(handover="fast"))
+    s = Slicer(node_id="d1", capacity=8, policy=SharePolicy(handover="fast", policy="static"))
     s.set_masters(["a", "b"], 0.0, 1)
     assert dict(s.shares) == {"a": 4, "b": 4}
     s.on_ack("a", s.epoch, 4, 0, 0.1, 2)
@@ -291,3 +295,25 @@ def test_a_draining_master_with_nothing_queued_leaves_the_split_and_its_slots_fo
     s.stream_down("b", 3.0, 16)
     s.stream_up("b", 3.1, 17)
     assert s.members(3.1) == ("a", "b")
+
+
+def test_a_drained_master_whose_stream_closes_keeps_its_leases_reserved_until_it_could_stop() -> None:
+    """A master at its drain timeout revokes its key and closes its streams while its last leases still
+    run for a moment. Its stale Acks said it runs 3; a live master's last Ack says 5 although 2 of
+    those have ended since. An engine sample of 6 (3 of a, 3 of b) taken at once would read as "a runs
+    5, 1 left for b" and free b's reservation while b still runs 3: only samples taken after b could
+    have stopped (one peer-detect interval) may release it."""
+    s = started(8, ["a", "b"])
+    s.on_ack("a", s.epoch, 5, 3, 2.0, 10)
+    s.on_ack("b", s.epoch, 3, 0, 2.0, 10)
+    assert s.on_ack("b", s.epoch, 3, 0, 2.1, 11, draining=True)  # leaves the split, 3 leases reserved
+    assert s.snapshot()["orphans"] == {"b": 3}
+    s.set_masters(["a"], 3.0, 12)  # its key is revoked at the drain timeout
+    s.stream_down("b", 3.0, 13)
+    assert not s.on_probe(6, 3.05, 3.1, 14)
+    assert s.snapshot()["orphans"] == {"b": 3}
+    # Later (b has exited, its leases ended) a sample frees the slots.
+    s.on_ack("a", s.epoch, 3, 3, 4.0, 15)
+    assert s.on_probe(3, 4.1, 4.2, 16)
+    assert s.snapshot()["orphans"] == {}
+    assert s.share_for("a") == 8
