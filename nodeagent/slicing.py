@@ -164,7 +164,7 @@ class Slicer:
     capacity: int
     policy: SharePolicy = field(default_factory=SharePolicy)
     # How long a master may take to notice that its stream to this agent is dead (its gRPC
-    # keep-alive: ~0.75 s); until then it may still place work here under its last share.
+    # keep-alive: ~0.9 s); until then it may still place work here under its last share.
     peer_detect_s: float = 1.0
     probe: bool = True
     now: float = 0.0
