@@ -18,7 +18,13 @@ leaves in arrival order (most tickets) costs O(1) amortized, the rest O(log n), 
   arrival order. Bucketing by slot count lets backfill find "the oldest that fits" in O(sizes);
 * one heap of queued gangs by size (a shrink fails the ones that no longer fit) and a heap of nodes
   by free slots (placement on the node with the most free slots, which spreads load and is the only
-  node worth checking for a gang).
+  node worth checking for a gang);
+* a short list of queued *resubmissions* (``submit(..., avoid=, deadline=)``: a request retried after its
+  engine failed it). A resubmission already won its turn once and was charged for it, so it keeps its
+  class and its absolute deadline and goes before every first-time waiter; it is never placed on a
+  node it ``avoid``s (the one that failed it) and, while only such nodes have room, waits without
+  holding anyone else up. Looking past the avoided nodes pops at most ``len(avoid)`` live entries off
+  the node heap; a request without ``avoid`` pays nothing for this.
 
 Tickets are removed lazily: an entry whose ticket has moved on is dropped when it surfaces, and a
 structure that grows beyond twice its live size is compacted, so memory stays bounded.
@@ -148,6 +154,8 @@ _NOWHERE = 0
 _HEAD = 1  # among its class's eligible heads
 _WAIT = 2  # in its session's deque, behind the session's lease or an older request
 _GANG = 3  # the gang DRR picked that does not fit yet (backfill / reservation)
+_RETRY = 4  # among the queued resubmissions
+_NO_AVOID: frozenset[str] = frozenset()
 
 
 class Ticket:
@@ -155,6 +163,7 @@ class Ticket:
 
     __slots__ = (
         "_loc",
+        "avoid",
         "deadline",
         "ended_at",
         "enqueued_at",
@@ -184,6 +193,7 @@ class Ticket:
         self.granted_at: float | None = None
         self.ended_at: float | None = None
         self.released = False
+        self.avoid = _NO_AVOID  # nodes this ticket is never placed on
         self._loc = _NOWHERE
 
     @property
@@ -447,6 +457,7 @@ class AdmissionCore:
         self._max_share = 0
         self._max_full = 0
         self._active_total = 0
+        self._retries: list[Ticket] = []  # queued resubmissions, oldest first
         # queue
         self._seq = 0
         self._queues: dict[RequestClass, _ClassQueue] = {c: _ClassQueue(c) for c in CLASS_ORDER}
@@ -514,6 +525,7 @@ class AdmissionCore:
             "queued_slots": self._queued_slots,
             "wanted_slots": self._queued_slots,
             "sessions": len(self._sessions),
+            "queued_retries": len(self._retries),
             "classes": {
                 c.value: {
                     "queued_requests": self._queues[c].n,
@@ -602,19 +614,38 @@ class AdmissionCore:
         return self._end()
 
     def submit(
-        self, slots: int = 1, request_class: RequestClass = RequestClass.COLD, session_id: str | None = None
+        self,
+        slots: int = 1,
+        request_class: RequestClass = RequestClass.COLD,
+        session_id: str | None = None,
+        *,
+        avoid: frozenset[str] = _NO_AVOID,
+        deadline: float | None = None,
     ) -> Ticket:
-        """Ask for ``slots`` slots on one node. The ticket comes back granted, queued or rejected."""
+        """Ask for ``slots`` slots on one node. The ticket comes back granted, queued or rejected.
+
+        A request retried after an engine failed it is *resubmitted*: ``avoid`` names the nodes it
+        is never placed on, ``deadline`` (the clock's time base) the absolute deadline it keeps from
+        its first admission (already past: it is granted only if a node has room now, else it times
+        out at once; absent: the class's wait from now). Either one makes the ticket a resubmission:
+        it goes before every first-time waiter, is not charged to its class again and is not
+        serialised behind its session again (it had the session's turn; ``session_id`` is ignored).
+        """
         self._begin()
         now = self._now
         self._seq += 1
         n = int(slots)
         rc = request_class if type(request_class) is RequestClass else RequestClass(request_class)
-        t = Ticket(self._seq, n, rc, session_id, now)
+        resubmit = bool(avoid) or deadline is not None
+        t = Ticket(self._seq, n, rc, None if resubmit else session_id, now)
+        if avoid:
+            t.avoid = frozenset(avoid)
         if n < 1 or n != slots:
             return self._refuse(t, INVALID)
         if self._bypass:
-            _, node = self._top_free()
+            _, node = self._free_for(t)
+            if node is None:
+                _, node = self._top_free()  # no limit to keep: somewhere rather than nowhere
             self._grant_new(t, node)
             self._end()
             return t
@@ -622,6 +653,8 @@ class AdmissionCore:
             return self._refuse(t, NO_CAPACITY)
         if slots > self._max_share:
             return self._refuse(t, UNSATISFIABLE if slots > self._max_full else CANNOT_FIT_NOW)
+        if resubmit:
+            return self._resubmit(t, now + self._waits[rc] if deadline is None else deadline)
         s = self._sessions.get(session_id) if session_id is not None else None
         overflow = self._queued_slots + t.slots - self._bound
         if overflow > 0:
@@ -652,6 +685,44 @@ class AdmissionCore:
             s = self._sessions.get(session_id) if session_id is not None else None
         self._enqueue(t, s, now)
         self._pump()
+        self._end()
+        return t
+
+    def _resubmit(self, t: Ticket, deadline: float) -> Ticket:
+        t.deadline = deadline  # kept even when granted at once, so a further retry carries it on
+        free, node = self._free_for(t)
+        if node is not None and free >= t.slots:
+            # The queue is stable (no resubmission fits anywhere it may go), so nothing is overtaken.
+            self._place(t, node, t.enqueued_at)
+            self._end()
+            return t
+        if deadline <= self._now:
+            self._refuse(t, TIMEOUT)
+            t.state = _EXPIRED
+            return t
+        overflow = self._queued_slots + t.slots - self._bound
+        if overflow > 0:
+            # It goes before the first-time waiters of its class, so it may displace them like a
+            # higher class would: newest first, lowest class first, all-or-nothing.
+            same_or_lower = self._qlist[_RANK[t.request_class] :]
+            if sum(q.slots for q in same_or_lower) < overflow:
+                return self._refuse(t, QUEUE_FULL)
+            for q in reversed(same_or_lower):
+                while overflow > 0 and (v := q.newest()) is not None:
+                    overflow -= v.slots
+                    self._finish(v, _EVICTED, EVICTED)
+        q = self._queues[t.request_class]
+        q.n += 1
+        q.slots += t.slots
+        q.add_moved(t)  # its deadline is out of arrival order
+        self._queued_n += 1
+        self._queued_slots += t.slots
+        if t.slots > 1:
+            self._gang_n += 1
+            self._push_gang(t)
+        t._loc = _RETRY
+        self._retries.append(t)
+        self._pump()  # an eviction may have ended a reservation
         self._end()
         return t
 
@@ -766,6 +837,29 @@ class AdmissionCore:
             heapq.heappop(h)
         return 0, None
 
+    def _top_free_avoiding(self, avoid: frozenset[str]) -> tuple[int, str | None]:
+        """The node with the most free slots outside ``avoid``: pops at most ``len(avoid)`` live
+        entries (put back after), so the cost does not grow with the number of nodes."""
+        h = self._free_heap
+        nv = self._node_ver
+        skipped: list[tuple[int, str, int]] = []
+        best: tuple[int, str | None] = (0, None)
+        while h:
+            e = h[0]
+            if nv.get(e[1]) != e[2]:
+                heapq.heappop(h)
+            elif e[1] in avoid:
+                skipped.append(heapq.heappop(h))
+            else:
+                best = (-e[0], e[1])
+                break
+        for e in skipped:
+            heapq.heappush(h, e)
+        return best
+
+    def _free_for(self, t: Ticket) -> tuple[int, str | None]:
+        return self._top_free_avoiding(t.avoid) if t.avoid else self._top_free()
+
     def _enqueue(self, t: Ticket, s: _Session | None, now: float) -> None:
         c = t.request_class
         q = self._queues[c]
@@ -823,6 +917,8 @@ class AdmissionCore:
             self._queues[t.request_class].drop_head(t)
         elif loc == _GANG:
             self._clear_gang()
+        elif loc == _RETRY:
+            self._retries.remove(t)  # a short list: resubmissions are few
         sid = t.session_id
         if sid is not None:
             s = self._sessions[sid]
@@ -963,6 +1059,15 @@ class AdmissionCore:
                         if hh is not None:
                             d[CLASS_ORDER[j]] += (k - 1) * w[CLASS_ORDER[j]]
 
+    def _grant_retry(self) -> bool:
+        """Grant the oldest queued resubmission that has room on a node it does not avoid."""
+        for t in self._retries:
+            free, node = self._free_for(t)
+            if node is not None and free >= t.slots:
+                self._grant(t, node)  # not charged: it paid for its turn when first granted
+                return True
+        return False
+
     def _charge(self, c: RequestClass, slots: int, lone: bool) -> None:
         if lone:
             self._deficit[c] = max(0.0, self._deficit[c] - slots)
@@ -976,6 +1081,8 @@ class AdmissionCore:
             free, node = self._top_free()
             if free <= 0 or node is None:
                 return
+            if self._retries and self._grant_retry():
+                continue
             g = self._gang
             if g is not None:
                 if g.slots <= free:

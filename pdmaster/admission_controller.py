@@ -114,6 +114,14 @@ class Lease:
     def wait_s(self) -> float:
         return self.ticket.wait_s or 0.0
 
+    @property
+    def deadline(self) -> float:
+        """The request's absolute admission deadline (on the controller's clock), which a retry keeps."""
+        t = self.ticket
+        if t.deadline != math.inf:
+            return t.deadline
+        return t.enqueued_at + self._controller.policy.max_wait_s[t.request_class]  # granted at once
+
     def release(self) -> None:
         self._controller._release(self.ticket)
 
@@ -124,17 +132,27 @@ class Lease:
 
 class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
     # A plain class rather than @asynccontextmanager: no generator frame kept alive per waiter.
-    __slots__ = ("_args", "_controller", "_lease")
+    __slots__ = ("_args", "_controller", "_lease", "_retry")
 
     def __init__(
-        self, controller: AdmissionController, slots: int, request_class: RequestClass, session_id: str | None
+        self,
+        controller: AdmissionController,
+        slots: int,
+        request_class: RequestClass,
+        session_id: str | None,
+        retry: tuple[frozenset[str], float | None] | None = None,
     ) -> None:
         self._controller = controller
         self._args = (slots, request_class, session_id)
+        self._retry = retry
         self._lease: Lease | None = None
 
     async def __aenter__(self) -> Lease:
-        self._lease = await self._controller.acquire_lease(*self._args)
+        if self._retry is None:
+            self._lease = await self._controller.acquire_lease(*self._args)
+        else:
+            avoid, deadline = self._retry
+            self._lease = await self._controller.acquire_lease(*self._args, avoid=avoid, deadline=deadline)
         return self._lease
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -183,19 +201,33 @@ class AdmissionController:
         slots: int = 1,
         request_class: RequestClass = RequestClass.COLD,
         session_id: str | None = None,
+        *,
+        avoid: frozenset[str] = frozenset(),
+        deadline: float | None = None,
     ) -> contextlib.AbstractAsyncContextManager[Lease]:
-        """``async with controller.acquire(n, cls, session) as lease:`` — the lease is released on exit."""
-        return _LeaseContext(self, slots, request_class, session_id)
+        """``async with controller.acquire(n, cls, session) as lease:`` — the lease is released on exit.
+
+        A retry passes the nodes that failed it (``avoid``) and the first lease's ``deadline``: see
+        ``AdmissionCore.submit``.
+        """
+        retry = (avoid, deadline) if avoid or deadline is not None else None
+        return _LeaseContext(self, slots, request_class, session_id, retry)
 
     async def acquire_lease(
         self,
         slots: int = 1,
         request_class: RequestClass = RequestClass.COLD,
         session_id: str | None = None,
+        *,
+        avoid: frozenset[str] = frozenset(),
+        deadline: float | None = None,
     ) -> Lease:
         """Wait for a lease; the caller must release it (prefer ``acquire``)."""
         core = self.core
-        t = core.submit(slots=slots, request_class=request_class, session_id=session_id)
+        if avoid or deadline is not None:
+            t = core.submit(slots, request_class, session_id, avoid=avoid, deadline=deadline)
+        else:  # the common case, without keyword handling
+            t = core.submit(slots=slots, request_class=request_class, session_id=session_id)
         queued = t.state is TicketState.QUEUED
         self._apply(core.last_changes, t if queued else None)
         if queued:

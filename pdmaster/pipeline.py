@@ -12,8 +12,10 @@ classify → admit → route → dispatch → relay.
 
 Engine faults (DESIGN §7): route asks each engine's circuit breaker for permission (a half-open
 breaker lets exactly one trial through); dispatch tells the breakers how the exchange went. A P or D
-that failed before any byte reached the client is tried again on another pair, with a new lease that
-keeps the request's class, at most ``max_retries`` times and never on a node that already failed it.
+that failed before any byte reached the client is tried again on another pair, at most
+``max_retries`` times. The retry's lease keeps the request's class and its first admission deadline,
+and admission never places it on a node that already failed the request; while only such nodes have
+room it waits, ahead of every first-time waiter (see ``AdmissionCore.submit``).
 
 Parsing and HTTP errors are the API's (``api``): a stage that fails raises ``RequestFailed``.
 """
@@ -102,6 +104,7 @@ class RequestPipeline:
         self.classify(ctx)
         self.lifecycle.enter()
         failed: set[str] = set()  # nodes that failed this request: never tried again for it
+        deadline: float | None = None  # the first lease's admission deadline, kept by retries
         try:
             assert ctx.request_class is not None
             while True:
@@ -111,11 +114,15 @@ class RequestPipeline:
                     await asyncio.sleep(0)
                 try:
                     async with self.admission.acquire(
-                        slots=ctx.parsed.slots, request_class=ctx.request_class, session_id=ctx.session_id
+                        slots=ctx.parsed.slots,
+                        request_class=ctx.request_class,
+                        session_id=ctx.session_id,
+                        avoid=frozenset(failed),
+                        deadline=deadline,
                     ) as lease:
                         ctx.lease = lease
                         if lease.node in failed:
-                            # admission has not yet heard that the node is unusable
+                            # a last guard: admission is told to avoid these nodes
                             raise RequestFailed(
                                 503, f"decode {lease.node} failed this request already", retry_after=1,
                                 type_="upstream_error", code="upstream_failed",
@@ -133,6 +140,8 @@ class RequestPipeline:
                             if ctx.retries < self.max_retries and _retryable(exc):
                                 assert exc.node is not None
                                 failed.add(exc.node)
+                                if deadline is None:
+                                    deadline = lease.deadline
                                 ctx.retries += 1
                                 log.info("request %s: retrying on another pair: %s", ctx.request_id, exc)
                                 continue  # leaves the async with: this lease is released first

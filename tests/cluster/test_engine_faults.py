@@ -148,7 +148,7 @@ def test_breaker_alone_takes_out_a_dead_or_hung_engine_and_retries_hide_it(  # t
     assert _node(c, "d2")["effective_share"] == 0
     assert _metric(c, r'pdcoord_engine_breaker_open\{node="d2"\}') == 1.0
     assert _metric(c, r'pdcoord_engine_failures_total\{[^}]*node="d2"[^}]*\}') >= 1
-    assert {s for s, _ in seen} <= {200, 502, 503}  # a retry may land on d2 again before it opened
+    assert {s for s, _ in seen} <= {200, 502, 503}  # explicit answers (the retry itself is checked below)
 
     # Back: a half-open trial succeeds and closes the breaker.
     c.engines["d2"].proc.start()
@@ -381,3 +381,45 @@ def test_a_sigstopped_decode_engine_ends_its_streams_and_returns_after_sigcont( 
     c.wait_for(lambda: scrape_metrics(d1.url)["pdsim_cancelled_total"] >= cancelled0 + 1, timeout=20)
     c.wait_for(lambda: _node(c, "d1")["effective_share"] == 4, timeout=30, interval=0.1)
     assert _post(url)[0] == 200
+
+
+def _post_body(url: str, timeout: float = 60) -> tuple[int, str, str]:
+    """(status, X-Retries, body) of one small completion."""
+    data = b'{"model": "sim", "prompt": "hello there", "max_tokens": 4}'
+    req = urllib.request.Request(
+        url + "/v1/completions", data=data, method="POST", headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.headers.get("X-Retries", ""), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("X-Retries", ""), e.read().decode()
+
+
+def test_a_retry_is_never_placed_on_the_decode_node_that_failed_it(  # type: ignore[no-untyped-def]
+    etcd, proc_group: ProcessGroup
+) -> None:
+    """d2 answers 503 to every generation request, and its breaker is set never to open in this test
+    (its /health stays fine): d2 keeps its capacity, so requests keep being placed there. Each one that
+    fails there is retried once; admission must place the retry on d1, never on d2 again, so every
+    request ends 200 (with X-Retries: 1 where it was retried) and none with the 503 "failed this
+    request already"."""
+    c = LocalCluster(proc_group, etcd.endpoint, f"avoid-{time.monotonic_ns()}")
+    c.start_master("m1", model="sim", max_retries=1, breaker_failures=1_000_000)
+    c.start_node("p1", "prefill", 8, model="sim")
+    c.start_node("d1", "decode", 4, model="sim")
+    c.start_node("d2", "decode", 4, model="sim", engine_args={"fault_error_rate": 1.0})
+    c.wait_for(lambda: c.full_capacity_held(["m1"], {"p1": 8, "d1": 4, "d2": 4}), timeout=30)
+    url = c.masters["m1"].url
+    results: list[tuple[int, str, str]] = []
+    with ThreadPoolExecutor(6) as pool:
+        for _ in range(5):  # bursts wider than one node's share, so both nodes get leases
+            results.extend(pool.map(lambda _: _post_body(url), range(6)))
+    assert _node(c, "d2")["breaker_open"] is False and _node(c, "d2")["effective_share"] == 4
+    bad = [r for r in results if r[0] != 200]
+    assert not bad, bad
+    assert not [r for r in results if "failed this request already" in r[2]]
+    retried = [r for r in results if r[1] == "1"]
+    assert retried, "no request was placed on d2 first: the test did not exercise a retry"
+    assert all(r[1] in ("", "1") for r in results)
+    assert _metric(c, r'pdcoord_engine_failures_total\{[^}]*node="d2"[^}]*\}') >= len(retried)

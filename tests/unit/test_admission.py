@@ -473,3 +473,107 @@ def test_a_clock_that_goes_back_still_times_out_in_deadline_order() -> None:
     assert core.expire() == [early]
     clock.now = 105
     assert core.expire() == [late]
+
+
+# --- resubmissions: a request retried after an engine failed it (avoid, kept deadline, ahead of newer)
+
+
+def test_a_grant_never_goes_to_an_avoided_node() -> None:
+    core = make({"d1": 4, "d2": 2})  # d1 has the most free slots: a normal request goes there
+    assert core.submit(1, COLD).node == "d1"
+    t = core.submit(1, COLD, avoid=frozenset({"d1"}), deadline=105.0)
+    assert t.state is G and t.node == "d2"
+    assert core.submit(1, COLD, avoid=frozenset({"d1"})).node == "d2"  # avoid without a deadline too
+
+
+def test_with_room_only_on_an_avoided_node_the_retry_waits_then_goes_elsewhere() -> None:
+    clock = Clock()
+    core = make({"d1": 1, "d2": 1}, clock)
+    on_d2 = core.submit(1, COLD)
+    on_d1 = core.submit(1, COLD)
+    assert {on_d1.node, on_d2.node} == {"d1", "d2"}
+    if on_d1.node != "d1":
+        on_d1, on_d2 = on_d2, on_d1
+    core.release(on_d1)  # room on d1 only
+    retry = core.submit(1, COLD, avoid=frozenset({"d1"}), deadline=clock.now + 5)
+    assert retry.state is Q
+    other = core.submit(1, COLD)  # anyone else may use d1 meanwhile
+    assert other.state is G and other.node == "d1"
+    assert granted(core.release(other)) == []  # d1 free again: still not for the retry
+    assert granted(core.release(on_d2)) == [retry] and retry.node == "d2"
+
+
+def test_a_retry_keeps_its_deadline() -> None:
+    clock = Clock()
+    core = make({"d1": 1, "d2": 1}, clock)
+    a, b = core.submit(1, COLD), core.submit(1, COLD)
+    clock.now += 1.0  # the first lease ran 1 s; its deadline was 103 (a 3 s wait from 100)
+    retry = core.submit(1, COLD, avoid=frozenset({"zz"}), deadline=103.0)
+    assert retry.state is Q and retry.deadline == 103.0 and core.next_deadline() == 103.0
+    clock.now = 102.9
+    assert core.expire() == []
+    clock.now = 103.0
+    assert core.expire() == [retry] and retry.state is TicketState.EXPIRED
+    assert retry.reason is not None and retry.reason.code == "timeout"
+    # a deadline already past: granted if there is room now, else timed out at once
+    late = core.submit(1, COLD, deadline=100.0)
+    assert late.state is TicketState.EXPIRED and core.queued_requests == 0
+    core.release(a)
+    late = core.submit(1, COLD, deadline=100.0)
+    assert late.state is G
+    del b
+
+
+def test_a_retry_goes_before_newer_and_older_first_time_waiters() -> None:
+    clock = Clock()
+    core = make({"d1": 1, "d2": 1}, clock, queue_waves=5)
+    x, y = core.submit(1, COLD), core.submit(1, COLD)
+    older = core.submit(1, COLD)
+    retry = core.submit(1, COLD, avoid=frozenset({"dx"}), deadline=clock.now + 5)
+    newer = core.submit(1, COLD)
+    assert older.state is Q and retry.state is Q and newer.state is Q
+    assert granted(core.release(x)) == [retry]
+    assert granted(core.release(y)) == [older]
+    assert newer.state is Q
+
+
+def test_a_retry_is_not_charged_to_its_class_nor_held_by_its_session() -> None:
+    clock = Clock()
+    core = make({"d1": 1}, clock, queue_waves=5)
+    blocker = core.submit(1, COLD, session_id="s")
+    before = core.snapshot()["classes"]["cold"]["deficit"]
+    retry = core.submit(1, COLD, session_id="s", deadline=clock.now + 5)
+    assert retry.state is Q and retry.session_id is None
+    assert granted(core.release(blocker)) == [retry]
+    assert core.snapshot()["classes"]["cold"]["deficit"] == before
+    assert core.snapshot()["queued_retries"] == 0
+
+
+def test_a_retry_over_a_full_queue_displaces_newest_first_time_waiters() -> None:
+    clock = Clock()
+    core = make({"d1": 2}, clock)  # bound 2 slots
+    core.submit(1, COLD), core.submit(1, COLD)
+    w1, w2 = core.submit(1, COLD), core.submit(1, COLD)
+    assert core.submit(1, COLD).state is TicketState.REJECTED  # full
+    retry = core.submit(1, COLD, deadline=clock.now + 5)
+    assert retry.state is Q and w2.state is TicketState.EVICTED and w1.state is Q
+
+
+def test_a_gang_retry_is_failed_by_a_shrink_like_any_gang() -> None:
+    clock = Clock()
+    core = make({"d1": 4, "d2": 4}, clock)
+    core.submit(4, COLD), core.submit(4, COLD)
+    retry = core.submit(4, COLD, avoid=frozenset({"d1"}), deadline=clock.now + 5)
+    assert retry.state is Q
+    core.set_shares({"d1": 2, "d2": 2}, {"d1": 8, "d2": 8})
+    assert retry.state is TicketState.REJECTED and core.queued_requests == 0
+    assert core.snapshot()["queued_retries"] == 0
+
+
+def test_avoiding_every_node_with_room_skips_nothing_else() -> None:
+    core = make({f"d{i}": 1 for i in range(6)})
+    avoid = frozenset({"d0", "d1", "d2"})
+    got = [core.submit(1, COLD, avoid=avoid, deadline=1e9) for _ in range(4)]
+    assert sorted(t.node or "" for t in got[:3]) == ["d3", "d4", "d5"] and got[3].state is Q
+    # the heap still knows every node: normal requests fill the avoided ones
+    assert sorted(core.submit(1, COLD).node or "" for _ in range(3)) == ["d0", "d1", "d2"]

@@ -283,3 +283,54 @@ async def test_a_waiter_due_before_the_armed_timer_brings_it_forward() -> None:
     assert exc.value.code == "timeout" and not cont.done()
     cont.cancel()
     holder.release()
+
+
+async def test_a_retry_avoids_the_failed_node_waits_and_keeps_its_deadline_and_class() -> None:
+    waits = {RequestClass.CONTINUATION: 30.0, RequestClass.PROBABLE_CACHE_HIT: 15.0, RequestClass.COLD: 5.0}
+    ctl = make({"d1": 1, "d2": 1}, max_wait_s=waits, queue_waves=5)
+    first = await ctl.acquire_lease(request_class=CONT)
+    other = await ctl.acquire_lease()
+    assert first.deadline == pytest.approx(first.ticket.enqueued_at + 30.0)  # granted at once
+    failed = first.node
+    assert failed is not None
+    first.release()  # its engine failed: room on the failed node only
+    newer = asyncio.create_task(ctl.acquire_lease(request_class=CONT))
+    await settle()
+    assert newer.done()  # a first-time request may use the failed node
+    newer_lease = newer.result()
+    assert newer_lease.node == failed
+    newer_lease.release()
+    retry = asyncio.create_task(
+        ctl.acquire_lease(request_class=CONT, avoid=frozenset({failed}), deadline=first.deadline)
+    )
+    await settle()
+    assert not retry.done()  # only the node that failed it has room
+    newest = asyncio.create_task(ctl.acquire_lease(request_class=CONT))
+    await settle()
+    assert newest.done() and newest.result().node == failed  # not held up by the waiting retry
+    queued = asyncio.create_task(ctl.acquire_lease(request_class=CONT))  # newer, same class
+    await settle()
+    assert not queued.done()
+    other.release()  # room elsewhere: the retry, not the newer waiter, gets it
+    lease = await asyncio.wait_for(retry, 5)
+    assert lease.node != failed and lease.ticket.request_class is CONT
+    assert lease.deadline == first.deadline  # a second retry would keep it too
+    await settle()
+    assert not queued.done()
+    lease.release()
+    (await asyncio.wait_for(queued, 5)).release()
+    newest.result().release()
+
+
+async def test_a_retry_times_out_at_the_first_deadline() -> None:
+    waits = {RequestClass.CONTINUATION: 30.0, RequestClass.PROBABLE_CACHE_HIT: 15.0, RequestClass.COLD: 30.0}
+    ctl = make({"d1": 1, "d2": 1}, max_wait_s=waits)
+    holder = await ctl.acquire_lease()
+    # the first lease's deadline, 0.2 s from now (not a fresh 30 s wait)
+    free_node = ({"d1", "d2"} - {holder.node}).pop()
+    deadline = time.monotonic() + 0.2
+    retry = asyncio.create_task(ctl.acquire_lease(avoid=frozenset({free_node}), deadline=deadline))
+    with pytest.raises(AdmissionRejected) as exc:
+        await asyncio.wait_for(retry, 10)
+    assert exc.value.code == "timeout"
+    holder.release()

@@ -66,6 +66,7 @@ class Walk:
         self.over: dict[str, int] = {}  # node -> active count allowed above share (pre-shrink leases)
         self.sessions = [f"s{i}" for i in range(rng.choice([2, 6]))]
         self.grant_order: dict[str, list[int]] = {}
+        self.retries: set[int] = set()  # ids of resubmitted tickets
         self.set_random_shares()
 
     # --- operations -------------------------------------------------------------------------
@@ -92,7 +93,13 @@ class Walk:
             slots = 1 if rng.random() < 0.75 else rng.randint(2, 5)
             cls = rng.choice(CLASS_ORDER)
             sid = rng.choice(self.sessions) if rng.random() < 0.5 else None
-            new = core.submit(slots=slots, request_class=cls, session_id=sid)
+            if rng.random() < 0.1:  # a retry: avoids the nodes that failed it, keeps its deadline
+                avoid = frozenset(rng.sample(NODES, rng.choice([1, 1, 2])))
+                deadline = self.now + rng.choice([-0.5, 0.0, 0.5, 2.0, 5.0])
+                new = core.submit(slots, cls, sid, avoid=avoid, deadline=deadline)
+                self.retries.add(new.id)
+            else:
+                new = core.submit(slots=slots, request_class=cls, session_id=sid)
             changes = core.last_changes
             self.all.append(new)
             self.live[new.id] = new
@@ -140,6 +147,7 @@ class Walk:
                 if t.state is G:
                     granted_now.append(t)
                     assert t.node is not None and t.reason is None
+                    assert t.node not in t.avoid, f"{t} placed on a node it avoids"
                 else:
                     assert t.reason is not None and t.reason.code in FAILURES
             else:
@@ -206,6 +214,11 @@ class Walk:
 
     def check_work_conserving(self, snap: dict) -> None:
         """No slot is left idle that an eligible waiter could use, unless a gang holds a reservation."""
+        # a queued retry waits only while no node it may use has room (it goes before everyone)
+        for t in self.live.values():
+            if t.state is Q and t.id in self.retries:
+                for n, v in snap["nodes"].items():
+                    assert n in t.avoid or v["share"] - v["active"] < t.slots, f"{t} could run on {n}"
         bf = snap["backfill"]
         if bf["reserved"]:
             return
@@ -222,6 +235,8 @@ class Walk:
         oldest: dict[RequestClass, Ticket] = {}
         fitting: list[Ticket] = []
         for t in sorted((t for t in self.live.values() if t.state is Q), key=lambda t: t.id):
+            if t.id in self.retries:
+                continue  # checked above
             if t.session_id is not None:
                 if t.session_id in busy or t.session_id in seen_sessions:
                     seen_sessions.add(t.session_id)
