@@ -309,7 +309,11 @@ def run_processes(args: argparse.Namespace) -> dict[str, Any]:
             fleet.add_master()
             t0 = time.monotonic()
             for nid, cap in fleet.specs.items():
-                fleet.cluster.start_agent(nid, "decode", capacity=cap, wait=False)
+                # The policy named like the swarm's: an agent without an engine has no load signal,
+                # so under demand it would ask every master for its demand each second.
+                fleet.cluster.start_agent(
+                    nid, "decode", capacity=cap, wait=False, share_policy=args.share_policy
+                )
             deadline = t0 + args.start_timeout
             while True:
                 # A health port picked as free can be taken before the agent binds it, which on a

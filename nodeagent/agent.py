@@ -411,10 +411,24 @@ class NodeAgent:
     def _report_period(self) -> float:
         if self.slicer.handover_pending:
             return self.cfg.handover_poll  # Acks move the handover on: ask for them often
-        if self.cfg.shares.policy == "demand":
-            # the split follows the masters' demand, which arrives in Acks
+        if self.cfg.shares.policy == "demand" and self._demand_moving():
+            # the split follows the masters' demand, which arrives in Acks: ask for it while it moves
             return min(self.cfg.report_interval, self.cfg.shares.rebalance_interval)
         return self.cfg.report_interval
+
+    def _demand_moving(self) -> bool:
+        """Whether any master runs or queues work by its last Ack. While none does there is no demand
+        to follow, and polling every master each rebalance interval would cost an idle fleet two
+        messages per node and master a second; a master that starts working here changes the
+        engine's load, which is reported within the load interval and brings its Ack (without a
+        working load signal that cannot happen, so then it keeps asking)."""
+        if not self.load.probe_ok:
+            return True
+        for link in self.links.values():
+            ack = link.last_ack
+            if ack is not None and (ack.active_slots or ack.wanted_slots):
+                return True
+        return False
 
     def _worth_polling(self, link: MasterLink, now: float) -> bool:
         """During a handover, ask a master for an Ack only when its answer can move the handover on

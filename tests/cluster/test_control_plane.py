@@ -236,3 +236,25 @@ def test_etcd_restart_under_running_masters_and_agents(local_cluster: LocalClust
     c.wait_for(lambda: c.share_table() == expected_share_table(["m1", "m2", "m3"], caps), timeout=20)
     for p in [*c.masters.values(), *c.agents.values()]:
         assert p.proc.alive, f"{p.proc.name} died across the etcd restart"
+
+
+def test_an_idle_demand_fleet_sends_next_to_nothing(cluster: LocalCluster) -> None:
+    """Demand shares (the default) beside engines with a load signal: while no master runs or queues
+    anything there is no demand to follow, so agents do not poll the masters for it (they did, every
+    rebalance interval: two messages per node and master a second on an idle fleet)."""
+    from pdcoord.dev.cluster import scrape_metrics
+
+    cluster.start_master("m1")
+    cluster.start_master("m2")
+    for node in ("d1", "d2"):
+        cluster.start_node(node, "decode", 8)
+    cluster.wait_for(lambda: cluster.full_capacity_held(["m1", "m2"], {"d1": 8, "d2": 8}), timeout=30)
+
+    def received() -> float:
+        return scrape_metrics(cluster.masters["m1"].url).get("pdcoord_agent_messages_total", 0.0)
+
+    time.sleep(3)  # start-up's own reports settle
+    before = received()
+    time.sleep(8)
+    # Polling would be 16 here (2 nodes x 1/s); heartbeats (30 s) and load changes allow a few.
+    assert received() - before <= 4
