@@ -53,6 +53,10 @@ def _failure_label(exc: EngineError) -> str:
     return "5xx" if exc.engine_status >= 500 else exc.kind
 
 
+def _stalled(error: EngineError | None) -> bool:
+    return error is not None and error.kind == "timeout"
+
+
 def _retryable(exc: EngineError) -> bool:
     """An engine failure another pair may not have: no connection, no answer in time, a connection
     closed under the request, a 5xx, or a half-open breaker busy with its trial."""
@@ -306,16 +310,25 @@ class RequestPipeline:
 
         try:
             if ctx.parsed.stream:
-                return await relay_parts_stream(
+                resp = await relay_parts_stream(
                     ctx.request, ctx.parsed.kind, parts, answers, ctx.headers, ctx.metrics, ctx.arrived,
                     first_output,
                 )  # fmt: skip
+                # A part that stalled ended the stream with an SSE error event: once for the breaker.
+                stalled = next((a.error for a in answers if _stalled(a.error)), None)
+                if stalled is not None:
+                    self._engine_failed(ctx.decode.node_id, stalled, None)
+                return resp
             return await relay_parts_body(
                 ctx.parsed.kind, parts, answers, ctx.headers, ctx.metrics, ctx.arrived, first_output
             )
         except (EngineError, OSError) as exc:
+            status = 502
+            if isinstance(exc, EngineError) and exc.kind == "timeout":
+                self._engine_failed(ctx.decode.node_id, exc, None)  # a stalled answer
+                status = exc.status
             why = f"decode {ctx.decode.node_id} failed: {exc}"
-            raise RequestFailed(502, why, type_="upstream_error") from None
+            raise RequestFailed(status, why, type_="upstream_error") from None
 
     async def relay(self, ctx: RequestContext, answer: EngineResponse) -> web.StreamResponse:
         def first_output() -> None:

@@ -297,6 +297,7 @@ def test_a_stream_stalled_mid_way_ends_releases_and_cancels(  # type: ignore[no-
     c.wait_for(lambda: scrape_metrics(d1).get("pdsim_hung_requests") == 0.0, timeout=20)
     assert scrape_metrics(d1)["pdsim_cancelled_total"] >= cancelled0 + 2
     c.wait_for(lambda: _active(c, "d1") == 0, timeout=20)
+    assert _metric(c, r'pdcoord_engine_failures_total\{kind="timeout",node="d1"\}') == 1  # once
 
     # A single stream: the same, and the stall counts for the breaker.
     texts = []
@@ -311,7 +312,7 @@ def test_a_stream_stalled_mid_way_ends_releases_and_cancels(  # type: ignore[no-
     c.wait_for(lambda: scrape_metrics(d1).get("pdsim_hung_requests") == 0.0, timeout=20)
     assert scrape_metrics(d1)["pdsim_cancelled_total"] >= cancelled0 + 3
     c.wait_for(lambda: _active(c, "d1") == 0, timeout=20)
-    assert _metric(c, r'pdcoord_engine_failures_total\{kind="timeout",node="d1"\}') == 1
+    assert _metric(c, r'pdcoord_engine_failures_total\{kind="timeout",node="d1"\}') == 2
 
     # Whole answer: the engine sends nothing before it is complete, so the first-byte timeout ends it.
     t0 = time.monotonic()
@@ -322,8 +323,10 @@ def test_a_stream_stalled_mid_way_ends_releases_and_cancels(  # type: ignore[no-
     c.wait_for(lambda: scrape_metrics(d1).get("pdsim_hung_requests") == 0.0, timeout=20)
     assert scrape_metrics(d1)["pdsim_cancelled_total"] >= cancelled0 + 4
     c.wait_for(lambda: _active(c, "d1") == 0, timeout=20)
-    assert _metric(c, r'pdcoord_engine_failures_total\{kind="timeout",node="d1"\}') == 2
-    # --breaker-failures 2: the node is out (half-open once the backoff has passed: one trial slot)
+    assert _metric(c, r'pdcoord_engine_failures_total\{kind="timeout",node="d1"\}') == 3
+    # --breaker-failures 2 (a dispatch that got its head resets the count: the stream stalls count
+    # one each, the whole answer's timeout is the second in a row): the node is out (half-open once
+    # the backoff has passed: one trial slot)
     node = _node(c, "d1")
     assert node["breaker_state"] in ("open", "half_open") and node["effective_share"] <= 1, node
     assert _metric(c, r'pdcoord_engine_breaker_open\{node="d1"\}') == 1.0
