@@ -9,7 +9,7 @@ held for an exponential time (mean 0.3 s); 5 % need 2 slots. Two decode nodes of
 set-ups see the same offered load:
 
 * ``static``: two masters, even split of every node (``--share-policy static``);
-* ``demand``: two masters, ``--share-policy demand``, the default (floor 1, hysteresis 2, step 25 %/s);
+* ``demand``: two masters, ``--share-policy demand`` (floor 1, hysteresis 2, step 25 %/s);
 * ``one_master``: all traffic on one master, which holds the whole fleet.
 
 Decode utilisation = mean slots in use / capacity over the measured window (60 s after 10 s of

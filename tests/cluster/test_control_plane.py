@@ -239,7 +239,7 @@ def test_etcd_restart_under_running_masters_and_agents(local_cluster: LocalClust
 
 
 def test_an_idle_demand_fleet_sends_next_to_nothing(cluster: LocalCluster) -> None:
-    """Demand shares (the default) beside engines with a load signal: while no master runs or queues
+    """Demand shares beside engines with a load signal: while no master runs or queues
     anything there is no demand to follow, so agents do not poll the masters for it (they did, every
     rebalance interval: two messages per node and master a second on an idle fleet)."""
     from pdcoord.dev.cluster import scrape_metrics
@@ -247,7 +247,7 @@ def test_an_idle_demand_fleet_sends_next_to_nothing(cluster: LocalCluster) -> No
     cluster.start_master("m1")
     cluster.start_master("m2")
     for node in ("d1", "d2"):
-        cluster.start_node(node, "decode", 8)
+        cluster.start_node(node, "decode", 8, share_policy="demand")
     cluster.wait_for(lambda: cluster.full_capacity_held(["m1", "m2"], {"d1": 8, "d2": 8}), timeout=30)
 
     def received() -> float:
