@@ -105,15 +105,8 @@ def run_point(
     )
     sim = ProtocolSim(cfg, seed)
     st = sim.run()
-    waits = sorted(x for ws in st.waits.values() for x in ws)
-    granted = sum(st.granted.values())
-    refused = sum(st.refused.values())
     return {
-        "utilisation": sim.utilisation(),
-        "served": granted / max(1, granted + refused),
-        "wait_p50_ms": 1000 * waits[len(waits) // 2] if waits else 0.0,
-        "wait_p99_ms": 1000 * waits[min(len(waits) - 1, int(0.99 * len(waits)))] if waits else 0.0,
-        "violations": len(st.violations),
+        **sim.traffic(),
         "convergence": [
             {"t": round(t - WARMUP_S, 2), "event": k, "master": m, "s": None if c is None else round(c, 3)}
             for t, k, m, c in st.convergence

@@ -53,17 +53,8 @@ def run_point(setup: str, load: float, seed: int, measure_s: float) -> dict[str,
         gang_fraction=GANG,
     )
     sim = ProtocolSim(cfg, seed)
-    st = sim.run()
-    waits = sorted(w for ws in st.waits.values() for w in ws)
-    granted = sum(st.granted.values())
-    refused = sum(st.refused.values())
-    return {
-        "utilisation": sim.utilisation(),
-        "wait_p50_ms": 1000 * waits[len(waits) // 2] if waits else 0.0,
-        "wait_p99_ms": 1000 * waits[min(len(waits) - 1, int(0.99 * len(waits)))] if waits else 0.0,
-        "served": granted / max(1, granted + refused),
-        "violations": len(st.violations),
-    }
+    sim.run()
+    return sim.traffic()
 
 
 def main() -> None:

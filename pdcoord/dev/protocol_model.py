@@ -736,3 +736,18 @@ class ProtocolSim:
     def utilisation(self) -> float:
         cap = sum(self.cfg.nodes.values())
         return self.stats.busy_slot_s / (cap * self.stats.measured_s) if self.stats.measured_s else 0.0
+
+    def traffic(self) -> dict[str, float]:
+        """What the benches report of a run: utilisation, the share of requests served, the
+        admission wait of the granted ones (p50, p99) and the strict-handover violations."""
+        st = self.stats
+        waits = sorted(w for ws in st.waits.values() for w in ws)
+        granted = sum(st.granted.values())
+        refused = sum(st.refused.values())
+        return {
+            "utilisation": self.utilisation(),
+            "served": granted / max(1, granted + refused),
+            "wait_p50_ms": 1000 * waits[len(waits) // 2] if waits else 0.0,
+            "wait_p99_ms": 1000 * waits[min(len(waits) - 1, int(0.99 * len(waits)))] if waits else 0.0,
+            "violations": len(st.violations),
+        }
