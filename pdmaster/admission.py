@@ -639,7 +639,7 @@ class AdmissionCore:
         resubmit = bool(avoid) or deadline is not None
         t = Ticket(self._seq, n, rc, None if resubmit else session_id, now)
         if avoid:
-            t.avoid = frozenset(avoid)
+            t.avoid = avoid
         if n < 1 or n != slots:
             return self._refuse(t, INVALID)
         if self._bypass:

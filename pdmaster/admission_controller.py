@@ -132,7 +132,7 @@ class Lease:
 
 class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
     # A plain class rather than @asynccontextmanager: no generator frame kept alive per waiter.
-    __slots__ = ("_args", "_controller", "_lease", "_retry")
+    __slots__ = ("_args", "_avoid", "_controller", "_deadline", "_lease")
 
     def __init__(
         self,
@@ -140,19 +140,19 @@ class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
         slots: int,
         request_class: RequestClass,
         session_id: str | None,
-        retry: tuple[frozenset[str], float | None] | None = None,
+        avoid: frozenset[str],
+        deadline: float | None,
     ) -> None:
         self._controller = controller
         self._args = (slots, request_class, session_id)
-        self._retry = retry
+        self._avoid = avoid
+        self._deadline = deadline
         self._lease: Lease | None = None
 
     async def __aenter__(self) -> Lease:
-        if self._retry is None:
-            self._lease = await self._controller.acquire_lease(*self._args)
-        else:
-            avoid, deadline = self._retry
-            self._lease = await self._controller.acquire_lease(*self._args, avoid=avoid, deadline=deadline)
+        self._lease = await self._controller.acquire_lease(
+            *self._args, avoid=self._avoid, deadline=self._deadline
+        )
         return self._lease
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -210,8 +210,7 @@ class AdmissionController:
         A retry passes the nodes that failed it (``avoid``) and the first lease's ``deadline``: see
         ``AdmissionCore.submit``.
         """
-        retry = (avoid, deadline) if avoid or deadline is not None else None
-        return _LeaseContext(self, slots, request_class, session_id, retry)
+        return _LeaseContext(self, slots, request_class, session_id, avoid, deadline)
 
     async def acquire_lease(
         self,
@@ -224,10 +223,7 @@ class AdmissionController:
     ) -> Lease:
         """Wait for a lease; the caller must release it (prefer ``acquire``)."""
         core = self.core
-        if avoid or deadline is not None:
-            t = core.submit(slots, request_class, session_id, avoid=avoid, deadline=deadline)
-        else:  # the common case, without keyword handling
-            t = core.submit(slots=slots, request_class=request_class, session_id=session_id)
+        t = core.submit(slots, request_class, session_id, avoid=avoid, deadline=deadline)
         queued = t.state is TicketState.QUEUED
         self._apply(core.last_changes, t if queued else None)
         if queued:

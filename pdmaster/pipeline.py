@@ -27,7 +27,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 from aiohttp import web
 
@@ -107,7 +107,7 @@ class RequestPipeline:
     async def serve(self, ctx: RequestContext) -> web.StreamResponse:
         self.classify(ctx)
         self.lifecycle.enter()
-        failed: set[str] = set()  # nodes that failed this request: never tried again for it
+        failed: frozenset[str] = frozenset()  # nodes that failed this request: never tried again for it
         deadline: float | None = None  # the first lease's admission deadline, kept by retries
         try:
             assert ctx.request_class is not None
@@ -121,7 +121,7 @@ class RequestPipeline:
                         slots=ctx.parsed.slots,
                         request_class=ctx.request_class,
                         session_id=ctx.session_id,
-                        avoid=frozenset(failed),
+                        avoid=failed,
                         deadline=deadline,
                     ) as lease:
                         ctx.lease = lease
@@ -143,7 +143,7 @@ class RequestPipeline:
                         except EngineError as exc:
                             if ctx.retries < self.max_retries and _retryable(exc):
                                 assert exc.node is not None
-                                failed.add(exc.node)
+                                failed = failed | {exc.node}
                                 if deadline is None:
                                     deadline = lease.deadline
                                 ctx.retries += 1
@@ -314,21 +314,13 @@ class RequestPipeline:
                     ctx.request, ctx.parsed.kind, parts, answers, ctx.headers, ctx.metrics, ctx.arrived,
                     first_output,
                 )  # fmt: skip
-                # A part that stalled ended the stream with an SSE error event: once for the breaker.
-                stalled = next((a.error for a in answers if _stalled(a.error)), None)
-                if stalled is not None:
-                    self._engine_failed(ctx.decode.node_id, stalled, None)
+                self._stream_stalled(ctx, answers)
                 return resp
             return await relay_parts_body(
                 ctx.parsed.kind, parts, answers, ctx.headers, ctx.metrics, ctx.arrived, first_output
             )
         except (EngineError, OSError) as exc:
-            status = 502
-            if isinstance(exc, EngineError) and exc.kind == "timeout":
-                self._engine_failed(ctx.decode.node_id, exc, None)  # a stalled answer
-                status = exc.status
-            why = f"decode {ctx.decode.node_id} failed: {exc}"
-            raise RequestFailed(status, why, type_="upstream_error") from None
+            raise self._relay_failed(ctx, exc) from None
 
     async def relay(self, ctx: RequestContext, answer: EngineResponse) -> web.StreamResponse:
         def first_output() -> None:
@@ -340,16 +332,26 @@ class RequestPipeline:
                 resp = await relay_stream(
                     ctx.request, answer, ctx.headers, ctx.metrics, ctx.arrived, first_output
                 )
-                error = answer.error  # a stalled stream ended with an SSE error event
-                if error is not None and error.kind == "timeout":
-                    self._engine_failed(ctx.decode.node_id, error, None)
+                self._stream_stalled(ctx, (answer,))
                 return resp
             return await relay_body(answer, ctx.headers, ctx.metrics, ctx.arrived, first_output)
         except (EngineError, OSError) as exc:
-            status = 502
-            if isinstance(exc, EngineError) and exc.kind == "timeout":
-                self._engine_failed(ctx.decode.node_id, exc, None)  # a stalled answer
-                status = exc.status
-            raise RequestFailed(
-                status, f"decode {ctx.decode.node_id} failed: {exc}", type_="upstream_error"
-            ) from None
+            raise self._relay_failed(ctx, exc) from None
+
+    def _stream_stalled(self, ctx: RequestContext, answers: Sequence[EngineResponse]) -> None:
+        """A stream that ended with an SSE error event because D stalled (in any of its parts): D's
+        breaker hears it once."""
+        error = next((a.error for a in answers if _stalled(a.error)), None)
+        if error is not None:
+            assert ctx.decode is not None
+            self._engine_failed(ctx.decode.node_id, error, None)
+
+    def _relay_failed(self, ctx: RequestContext, exc: EngineError | OSError) -> RequestFailed:
+        """D failed while its answer was read whole (before any byte went out): 502, or the timeout's
+        504 for a stalled answer, which its breaker hears."""
+        assert ctx.decode is not None
+        status = 502
+        if isinstance(exc, EngineError) and _stalled(exc):
+            self._engine_failed(ctx.decode.node_id, exc, None)
+            status = exc.status
+        return RequestFailed(status, f"decode {ctx.decode.node_id} failed: {exc}", type_="upstream_error")

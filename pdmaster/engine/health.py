@@ -131,9 +131,9 @@ class CircuitBreaker:
     def allow(self) -> int | None:
         """Permission for one request, as a token for :meth:`record`; None when refused (open, or
         half-open with its one trial already in flight)."""
+        if self._state is BreakerState.CLOSED:
+            return self.generation  # every request asks twice (P and D): the common case first
         state = self.state
-        if state is BreakerState.CLOSED:
-            return self.generation
         if state is BreakerState.HALF_OPEN and not self.trial_in_flight:
             self.trial_in_flight = True
             return self.generation
@@ -235,10 +235,7 @@ class EngineBreakers:
             self._changed(node_id, b)
 
     def allow(self, node_id: str) -> int | None:
-        b = self.breakers.get(node_id)
-        if b is not None and b._state is BreakerState.CLOSED:
-            return b.generation  # every request asks twice (P and D): the common case in one step
-        b = self.get(node_id)
+        b = self.breakers.get(node_id) or self.get(node_id)
         was = b.generation
         token = b.allow()
         if b.generation != was:  # allow() moved it to half-open
@@ -248,9 +245,7 @@ class EngineBreakers:
     def record(
         self, node_id: str, token: int, ok: bool | None, error: str = "", decisive: bool = False
     ) -> None:
-        b = self.get(node_id)
-        if ok is True and b._state is BreakerState.CLOSED and not b.consecutive_failures:
-            return  # a success on a healthy engine changes nothing
+        b = self.breakers.get(node_id) or self.get(node_id)
         if b.record(token, ok, error, decisive):
             self._changed(node_id, b)
 
