@@ -158,9 +158,9 @@ def test_rolling_restart_of_every_master_loses_nothing(cluster: LocalCluster, lo
         t1 = time.monotonic()
         start_master_retrying(cluster, mid)
         targets.add_when_ready(mid)
-        # Under load the demand policy splits by what each master runs: every master back in the
-        # split and every node fully held is the convergence, whatever the split.
-        rejoin = cluster.wait_for(lambda: cluster.full_capacity_held(masters, CAPS), timeout=15)
+        rejoin = cluster.wait_for(
+            lambda: cluster.share_table() == expected_share_table(masters, CAPS), timeout=15
+        )
         timings.append(
             f"{mid}: drained+exited {stopped:.2f}s, others full {handover:.2f}s later, "
             f"back and re-sliced {time.monotonic() - t1:.2f}s after restart (shares {rejoin:.2f}s)"
@@ -260,7 +260,9 @@ def test_etcd_restart_under_load(local_cluster: LocalCluster, local_etcd, load_g
 
     c.start_master("m3", model=MODEL)
     t_join = time.monotonic()
-    converged = c.wait_for(lambda: c.full_capacity_held(["m1", "m2", "m3"], CAPS), timeout=20)
+    converged = c.wait_for(
+        lambda: c.share_table() == expected_share_table(["m1", "m2", "m3"], CAPS), timeout=20
+    )
     targets.add_when_ready("m3")
     time.sleep(1.0)
     results = load.stop()
@@ -375,7 +377,7 @@ def test_soak_random_kills_and_restarts(cluster: LocalCluster, load_guard: Loads
     for a in agents:
         if not cluster.agents[a].proc.alive:
             cluster.restart_agent(a)
-    cluster.wait_for(lambda: cluster.full_capacity_held(masters, CAPS), timeout=20)
+    cluster.wait_for(lambda: cluster.share_table() == expected_share_table(masters, CAPS), timeout=20)
     time.sleep(1.0)
     results = load.stop()
     leases = wait_no_leases(cluster)

@@ -95,19 +95,23 @@ def test_killed_decode_engine_leaves_capacity_and_comes_back(etcd, proc_group: P
     assert any(r.ok for r in after)
 
 
-def _post(url: str, timeout: float = 30) -> tuple[int, str]:
-    """(status, X-Retries) of one small completion."""
+def _post_body(url: str, timeout: float = 30) -> tuple[int, str, str]:
+    """(status, X-Retries, body) of one small completion."""
     data = b'{"model": "sim", "prompt": "hello there", "max_tokens": 4}'
     req = urllib.request.Request(
         url + "/v1/completions", data=data, method="POST", headers={"Content-Type": "application/json"}
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            r.read()
-            return r.status, r.headers.get("X-Retries", "")
+            return r.status, r.headers.get("X-Retries", ""), r.read().decode()
     except urllib.error.HTTPError as e:
-        e.read()
-        return e.code, e.headers.get("X-Retries", "")
+        return e.code, e.headers.get("X-Retries", ""), e.read().decode()
+
+
+def _post(url: str, timeout: float = 30) -> tuple[int, str]:
+    """(status, X-Retries) of one small completion."""
+    status, retries, _ = _post_body(url, timeout)
+    return status, retries
 
 
 def _burst(url: str, n: int = 6) -> list[tuple[int, str]]:
@@ -386,19 +390,6 @@ def test_a_sigstopped_decode_engine_ends_its_streams_and_returns_after_sigcont( 
     assert _post(url)[0] == 200
 
 
-def _post_body(url: str, timeout: float = 60) -> tuple[int, str, str]:
-    """(status, X-Retries, body) of one small completion."""
-    data = b'{"model": "sim", "prompt": "hello there", "max_tokens": 4}'
-    req = urllib.request.Request(
-        url + "/v1/completions", data=data, method="POST", headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.headers.get("X-Retries", ""), r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers.get("X-Retries", ""), e.read().decode()
-
-
 def test_a_retry_is_never_placed_on_the_decode_node_that_failed_it(  # type: ignore[no-untyped-def]
     etcd, proc_group: ProcessGroup
 ) -> None:
@@ -417,7 +408,7 @@ def test_a_retry_is_never_placed_on_the_decode_node_that_failed_it(  # type: ign
     results: list[tuple[int, str, str]] = []
     with ThreadPoolExecutor(6) as pool:
         for _ in range(5):  # bursts wider than one node's share, so both nodes get leases
-            results.extend(pool.map(lambda _: _post_body(url), range(6)))
+            results.extend(pool.map(lambda _: _post_body(url, 60), range(6)))
     assert _node(c, "d2")["breaker_open"] is False and _node(c, "d2")["effective_share"] == 4
     bad = [r for r in results if r[0] != 200]
     assert not bad, bad
