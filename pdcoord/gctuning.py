@@ -1,4 +1,4 @@
-"""Garbage-collector settings for the long-running processes (master and agent).
+"""Garbage-collector settings for the master, whose request path allocates the most.
 
 CPython's default (a young-generation collection every 700 net container allocations) scanned the
 master's in-flight requests several times a second under load, and each full collection walked every
