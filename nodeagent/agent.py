@@ -54,6 +54,10 @@ PERSIST_MIN_GAP_S = 1.0
 CHANNEL_READY_WAIT_S = 5.0
 
 
+class StartupError(Exception):
+    """A reason the agent cannot start, phrased for the operator (names the flag)."""
+
+
 @dataclass
 class AgentConfig:
     etcd: EtcdSettings
@@ -524,6 +528,8 @@ class NodeAgent:
             "node_id": self.cfg.node_id,
             "role": self.cfg.role,
             "endpoint": self.cfg.endpoint,
+            # false while etcd has not answered yet (the agent keeps retrying)
+            "registered": self.ready.is_set() and self.registration is not None,
             "running_max_req_size": self.slicer.capacity,
             "epoch": self.slicer.epoch,
             "shares": dict(self.slicer.shares),
@@ -556,6 +562,9 @@ class NodeAgent:
             ok = self.ready.is_set() and self.registration is not None
             return web.json_response({"ok": ok}, status=200 if ok else 503)
 
+        # Served from the start, before etcd answers: /status then says the agent is still
+        # registering, and a port clash is a start-up error naming the flag, not a crash later.
+
         async def status(_r: web.Request) -> web.Response:
             return web.json_response(self.status())
 
@@ -563,7 +572,13 @@ class NodeAgent:
         app.router.add_get("/status", status)
         self._health = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._health.setup()
-        await web.TCPSite(self._health, self.cfg.health_host, self.cfg.health_port).start()
+        try:
+            await web.TCPSite(self._health, self.cfg.health_host, self.cfg.health_port).start()
+        except OSError as exc:
+            raise StartupError(
+                f"--health-port: cannot listen on {self.cfg.health_host}:{self.cfg.health_port}: "
+                f"{exc.strerror or exc}"
+            ) from exc
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def _restore_epoch(self) -> None:
@@ -575,6 +590,7 @@ class NodeAgent:
         Raises only on a configuration error: etcd TLS or credentials, or the node id still held by
         another live agent after ``register_wait``.
         """
+        await self._start_health()
         registration = Registration(
             self.etcd, self.keys.node(self.cfg.node_id), self._node_value, ttl=self.cfg.etcd.lease_ttl
         )
@@ -582,7 +598,6 @@ class NodeAgent:
             self.etcd, registration, log, held_wait=self.cfg.register_wait, before=self._restore_epoch
         )
         self.registration = registration
-        await self._start_health()
         self._tasks.append(asyncio.create_task(self._persist_loop(), name="persist"))
         self._tasks.append(asyncio.create_task(self._watch_masters(), name="watch-masters"))
         self._tasks.append(asyncio.create_task(self._control_loop(), name="control"))

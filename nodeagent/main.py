@@ -224,7 +224,7 @@ async def _discover(endpoint: str) -> EngineInfo:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from nodeagent.agent import AgentConfig, NodeAgent
+    from nodeagent.agent import AgentConfig, NodeAgent, StartupError
     from nodeagent.probe import load_signal_urls
     from nodeagent.slicing import SharePolicy
     from pdcoord.etcd import EtcdError
@@ -329,6 +329,10 @@ async def _run(args: argparse.Namespace) -> int:
             f"and its lease did not expire within --register-wait {args.register_wait:g}s ({exc})",
             file=sys.stderr,
         )
+        await agent.stop()
+        return 2
+    except StartupError as exc:
+        print(f"nodeagent: error: {exc}", file=sys.stderr)
         await agent.stop()
         return 2
     except EtcdError as exc:  # only configuration errors (TLS, credentials) get here: retrying cannot help

@@ -180,6 +180,8 @@ class Registration:
         self._stopped = False
         self.kv: KeyValue | None = None
         self.reregistrations = 0
+        # Leases granted by this process whose create transaction's outcome is unknown.
+        self._unsure: set[int] = set()
 
     @property
     def lease_id(self) -> int:
@@ -198,14 +200,26 @@ class Registration:
     async def _claim(self) -> tuple[bool, KeyValue | None]:
         """One attempt: create the key under a fresh lease. Returns (created, current holder)."""
         existing = await self.client.get(self.key)
+        if existing is not None and existing.lease in self._unsure:
+            # Our own earlier attempt did create the key, but its answer was lost (etcd slow or
+            # restarting) and the lease could not be revoked then. It is not another live holder:
+            # revoking it deletes the key, and this attempt claims it afresh.
+            with contextlib.suppress(LeaseNotFound):
+                await self.client.revoke_lease(existing.lease)
+            self._unsure.discard(existing.lease)
+            existing = await self.client.get(self.key)
         if existing is not None:
             return False, existing
         lease = await self.client.grant_lease(self.ttl)
         try:
             ok, kv = await self.client.create_if_absent(self.key, self._value_bytes(), lease=lease)
         except BaseException:
-            with contextlib.suppress(EtcdError):
+            try:
                 await self.client.revoke_lease(lease)
+            except LeaseNotFound:
+                pass
+            except EtcdError:
+                self._unsure.add(lease)
             raise
         if not ok:
             await self.client.revoke_lease(lease)

@@ -104,6 +104,17 @@ def test_duplicate_master_and_node_ids_are_refused(cluster: LocalCluster) -> Non
     )  # fmt: skip
     assert dup.returncode == 2
     assert "'d1'" in dup.stderr and "--register-wait" in dup.stderr
+    # A health port already taken (here by the master's HTTP port): an error naming the flag.
+    taken = cluster.masters["m1"].http_port
+    clash = subprocess.run(
+        [sys.executable, "-m", "nodeagent", "--etcd", cluster.etcd, "--cluster", cluster.cluster,
+         "--node-id", "d2", "--role", "decode", "--endpoint", "http://127.0.0.1:9",
+         "--running-max-req-size", "4", "--health-host", "127.0.0.1", "--health-port", str(taken)],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert clash.returncode == 2, clash.stderr[-2000:]
+    assert "--health-port" in clash.stderr and str(taken) in clash.stderr
+    assert "Traceback" not in clash.stderr
 
 
 def test_missing_capacity_is_read_from_engine_or_fails_clearly(cluster: LocalCluster) -> None:

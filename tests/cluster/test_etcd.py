@@ -23,6 +23,7 @@ from pdcoord.etcd import (
     EtcdClient,
     EtcdError,
     EtcdUnavailable,
+    KeyValue,
     WatchCompacted,
     WatchEvent,
     WatchRevisionReset,
@@ -380,6 +381,50 @@ async def test_registration_refuses_a_live_duplicate(etcd_client: EtcdClient, cl
         await first.stop()
     assert await etcd_client.get(key) is None  # revoked: gone at once
     assert await etcd_client.lease_ttl(first.lease_id or 1) == -1
+
+
+class _LostAnswers(EtcdClient):
+    """A real etcd client whose next create commits but whose answer is lost, and whose next revoke
+    fails: what a client sees from an etcd that is just starting or overloaded."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        super().__init__(endpoints)
+        self.lose_create = self.fail_revoke = True
+
+    async def create_if_absent(
+        self, key: str, value: bytes | str, *, lease: int = 0
+    ) -> tuple[bool, KeyValue | None]:
+        result = await super().create_if_absent(key, value, lease=lease)
+        if self.lose_create:
+            self.lose_create = False
+            raise EtcdUnavailable("create timed out (committed, answer lost)")
+        return result
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        if self.fail_revoke:
+            self.fail_revoke = False
+            raise EtcdUnavailable("revoke timed out")
+        await super().revoke_lease(lease_id)
+
+
+async def test_registration_reclaims_its_own_key_whose_answer_was_lost(
+    etcd_client: EtcdClient, cluster_name: str
+) -> None:
+    key = Keys.for_cluster(cluster_name).node("gpu-lost")
+    async with _LostAnswers(etcd_client.endpoints) as client:
+        reg = Registration(client, key, b"mine", ttl=30)
+        with pytest.raises(EtcdUnavailable):
+            await reg.start(wait=0)
+        orphan = await etcd_client.get(key)
+        assert orphan is not None and orphan.lease  # created under a lease nobody keeps alive
+        # Not "held by another live agent": the next try revokes its own orphan and registers.
+        await reg.start(wait=0)
+        try:
+            kv = await etcd_client.get(key)
+            assert kv is not None and kv.lease == reg.lease_id != orphan.lease
+            assert await etcd_client.lease_ttl(orphan.lease) == -1
+        finally:
+            await reg.stop()
 
 
 async def test_registration_waits_for_a_crashed_holder(etcd_client: EtcdClient, cluster_name: str) -> None:

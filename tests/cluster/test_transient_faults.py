@@ -14,7 +14,7 @@ import pytest
 
 from pdcoord.dev.cluster import LocalCluster
 from pdcoord.dev.etcd_server import LocalEtcd
-from pdcoord.dev.launcher import ProcessGroup
+from pdcoord.dev.launcher import ProcessGroup, http_ok
 from pdcoord.dev.netutil import free_port
 
 AGENTS = 20
@@ -40,13 +40,17 @@ def test_master_and_agents_wait_for_etcd(proc_group: ProcessGroup, cluster_name:
     exited = [p.name for p in proc_group.processes if not p.alive]
     assert not exited, f"exited while etcd was unreachable: {exited}"
     assert not _connected(cluster, "m1")
+    # Meanwhile an agent answers on its health port: not ready, and /status says why.
+    waiting = cluster.agents["n00"]
+    assert not http_ok(f"http://127.0.0.1:{waiting.health_port}/health")
+    assert waiting.status()["registered"] is False
 
     server = LocalEtcd(port, peer_port, data_dir=str(tmp_path / "etcd"), log_path=tmp_path / "etcd.log")
     server.start()
     try:
         deadline = time.monotonic() + 120
         while _connected(cluster, "m1") != set(nodes):
-            exited = [p.name for p in proc_group.processes if not p.alive]
+            exited = [f"{p!r}: {p.tail(30)}" for p in proc_group.processes if not p.alive]
             assert not exited, f"exited after etcd came up: {exited}"
             assert time.monotonic() < deadline, (
                 f"connected after 120 s: {sorted(_connected(cluster, 'm1'))} of {len(nodes)}"
