@@ -111,6 +111,9 @@ def next_epoch(previous: int, time_ns: int, stored: int = 0) -> int:
     return max(previous + 1, time_ns, stored + 1)
 
 
+# Shortest time a joining master counts as wanting an even share (see Slicer.join_prior_s).
+JOIN_PRIOR_MIN_S = 5.0
+
 HANDOVER_MODES = ("strict", "fast")
 SHARE_POLICIES = ("static", "demand")
 
@@ -178,6 +181,8 @@ class Slicer:
     _last_up: dict[str, float] = field(default_factory=dict)
     # Masters whose last Ack said they drain with nothing queued: out of the split.
     _draining: set[str] = field(default_factory=set)
+    # When each member joined the split (demand: it is assumed to want an even share at first).
+    _joined: dict[str, float] = field(default_factory=dict)
     _ho: Handover = field(init=False)
 
     def __post_init__(self) -> None:
@@ -333,20 +338,38 @@ class Slicer:
         return out
 
     # -- core ---------------------------------------------------------------------------------
-    def _demands(self, members: Iterable[str]) -> dict[str, int]:
+    @property
+    def join_prior_s(self) -> float:
+        """How long a master that joins the split counts as wanting at least an even share.
+
+        A new master has no queue yet, but a load balancer is about to send it its part of the
+        clients (readiness probes run every few seconds). Starting it at the floor would cap its
+        queue at a sliver of the node and refuse that first wave; an even start is what the static
+        split gives, and the rebalance then follows the demand it reports.
+        """
+        return max(JOIN_PRIOR_MIN_S, 3 * self.policy.rebalance_interval)
+
+    def _demands(self, members: tuple[str, ...], now: float) -> dict[str, int]:
         hs = self._ho.holders
-        return {m: (hs[m].demand if m in hs else 0) for m in members}
+        even = self.capacity // len(members) if members else 0
+        out = {}
+        for m in members:
+            demand = hs[m].demand if m in hs else 0
+            if now < self._joined.get(m, now) + self.join_prior_s:
+                demand = max(demand, even)
+            out[m] = demand
+        return out
 
     def _compute_targets(self, members: tuple[str, ...], now: float, reset: bool) -> dict[str, int]:
         if self.policy.policy == "static":
             return slice_shares(self.capacity, members, self.node_id)
         if reset or set(self._targets) != set(members):
             self._next_rebalance = now + self.policy.rebalance_interval
-            return demand_shares(self.capacity, self._demands(members), self.node_id, self.policy.floor)
+            return demand_shares(self.capacity, self._demands(members, now), self.node_id, self.policy.floor)
         if now < self._next_rebalance:
             return self._targets
         self._next_rebalance = now + self.policy.rebalance_interval
-        ideal = demand_shares(self.capacity, self._demands(members), self.node_id, self.policy.floor)
+        ideal = demand_shares(self.capacity, self._demands(members, now), self.node_id, self.policy.floor)
         if (
             max((abs(ideal[m] - self._targets.get(m, 0)) for m in members), default=0)
             < self.policy.rebalance_hysteresis
@@ -373,6 +396,8 @@ class Slicer:
                 self._ho.exclude(mid, now, self.epoch, now if draining else not_before, draining)
             for mid in members:
                 self._ho.include(mid)
+            old = set(self._members)
+            self._joined = {m: (self._joined[m] if m in old else now) for m in members}
         self._ho.expire(now, members)
         self._targets = self._compute_targets(members, now, reset=membership or force)
         grants = self._ho.plan(self._targets, self._shares)

@@ -141,7 +141,15 @@ class RequestPipeline:
                                 else [await self.dispatch(ctx)]
                             )
                         except EngineError as exc:
-                            if ctx.retries < self.max_retries and _retryable(exc):
+                            # Not while draining: a draining master with an empty queue has handed
+                            # its shares back (agents count only its running leases), so a new lease
+                            # could land on a slot another master now holds. The client's load
+                            # balancer retries elsewhere.
+                            if (
+                                ctx.retries < self.max_retries
+                                and _retryable(exc)
+                                and not self.lifecycle.draining
+                            ):
                                 assert exc.node is not None
                                 failed = failed | {exc.node}
                                 if deadline is None:

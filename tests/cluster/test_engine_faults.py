@@ -417,3 +417,34 @@ def test_a_retry_is_never_placed_on_the_decode_node_that_failed_it(  # type: ign
     assert retried, "no request was placed on d2 first: the test did not exercise a retry"
     assert all(r[1] in ("", "1") for r in results)
     assert _metric(c, r'pdcoord_engine_failures_total\{[^}]*node="d2"[^}]*\}') >= len(retried)
+
+
+def test_a_draining_master_does_not_retry(  # type: ignore[no-untyped-def]
+    etcd, proc_group: ProcessGroup
+) -> None:
+    """A request whose decode engine hangs is in flight when its master is told to stop. The master
+    drains: once its queue is empty the agents count only its running leases, so a retry could lease
+    a slot that another master holds by then. The request ends with 504 at the first-byte timeout
+    instead of being retried on d2 (which it would be while not draining, as the tests above show),
+    and the master still exits cleanly."""
+    c = LocalCluster(proc_group, etcd.endpoint, f"drain-retry-{time.monotonic_ns()}")
+    c.start_master(
+        "m1", model="sim", max_retries=1, engine_first_byte_timeout=3, breaker_failures=1_000_000,
+        drain_timeout=60,
+    )  # fmt: skip
+    c.start_node("p1", "prefill", 8, model="sim")
+    # d1's agent does not check its engine: the node keeps its capacity while its engine hangs.
+    c.start_node("d1", "decode", 4, model="sim", no_health_check=True)
+    c.start_node("d2", "decode", 1, model="sim")
+    c.wait_for(lambda: c.full_capacity_held(["m1"], {"p1": 8, "d1": 4, "d2": 1}), timeout=30)
+    _set_faults(c, "d1", "POST", {"hang": True})
+    url = c.masters["m1"].url
+    with ThreadPoolExecutor(3) as pool:
+        pending = [pool.submit(_post_body, url, 60) for _ in range(3)]  # at least two land on d1
+        c.wait_for(lambda: _active(c, "d1") >= 1, timeout=20, interval=0.05)
+        c.masters["m1"].proc.send_signal(signal.SIGTERM)
+        results = [f.result() for f in pending]
+    on_d1 = [r for r in results if r[0] != 200]
+    assert on_d1, results
+    assert all(r[0] == 504 and r[1] == "" for r in on_d1), results
+    assert c.masters["m1"].proc.wait(60) == 0

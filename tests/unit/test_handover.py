@@ -207,26 +207,54 @@ def test_demand_policy_rebalances_with_hysteresis_and_a_bounded_step() -> None:
         rebalance_max_step=0.25,
     )
     assert dict(s.targets) == {"busy": 50, "idle": 50}
+    # Masters that just joined count as wanting an even share: no move before that window ends.
     s.on_ack("busy", s.epoch, 50, 60, 1.5, 10)
     s.on_ack("idle", s.epoch, 5, 0, 1.5, 10)
-    assert s.next_deadline() is not None
     s.tick(2.1, 11)
+    assert dict(s.targets) == {"busy": 50, "idle": 50}
+    t = s.join_prior_s
+    assert s.next_deadline() is not None
+    s.tick(t + 0.1, 11)
     assert dict(s.targets) == {"busy": 75, "idle": 25}  # at most a quarter of the node per step
     # Strict: idle has not yet acknowledged its lower grant, so busy grows by nothing yet.
     assert s.share_for("busy") == 50
-    s.on_ack("idle", s.epoch, 5, 0, 2.2, 12)
+    s.on_ack("idle", s.epoch, 5, 0, t + 0.2, 12)
     assert dict(s.shares) == {"busy": 75, "idle": 25}
-    s.on_ack("busy", s.epoch, 75, 60, 3.2, 13)
-    s.tick(3.3, 14)
+    s.on_ack("busy", s.epoch, 75, 60, t + 1.2, 13)
+    s.tick(t + 1.3, 14)
     assert s.targets["busy"] > 75
     # A small wobble in demand does not move the targets.
     before = dict(s.targets)
-    s.on_ack("idle", s.epoch, 5, 1, 3.4, 15)
-    s.tick(4.4, 16)
-    s.tick(5.5, 17)
-    s.on_ack("idle", s.epoch, 5, 0, 5.6, 18)
-    s.tick(6.6, 19)
+    s.on_ack("idle", s.epoch, 5, 1, t + 1.4, 15)
+    s.tick(t + 2.4, 16)
+    s.tick(t + 3.5, 17)
+    s.on_ack("idle", s.epoch, 5, 0, t + 3.6, 18)
+    s.tick(t + 4.6, 19)
     assert abs(s.targets["idle"] - before["idle"]) <= 8
+
+
+def test_demand_policy_starts_a_joining_master_at_an_even_share() -> None:
+    """A master that joins while the others want the whole node is not left at the floor: its
+    clients are on their way (its queue bound follows its share), so it starts even and then
+    follows the demand it reports."""
+    s = started(90, ["a", "b"], policy="demand", rebalance_interval=1.0)
+    t = s.join_prior_s
+    s.on_ack("a", s.epoch, 45, 100, 1.5, 10)
+    s.on_ack("b", s.epoch, 45, 100, 1.5, 10)
+    s.tick(t + 1.1, 11)
+    assert dict(s.targets) == {"a": 45, "b": 45}
+    joined = t + 2.0
+    s.set_masters(["a", "b", "c"], joined, 12)
+    s.stream_up("c", joined, 12)
+    assert dict(s.targets) == {"a": 30, "b": 30, "c": 30}
+    s.on_ack("c", s.epoch, 0, 0, joined + 0.1, 13)  # nothing queued yet: still even
+    for k in range(1, 4):
+        s.tick(joined + k, 14 + k)
+        assert s.targets["c"] == 30
+    # The window over and still no demand: c goes down towards the floor, a and b take the rest.
+    for k in range(0, 8):
+        s.tick(joined + t + 0.1 + k, 20 + k)
+    assert s.targets["c"] < 10 and s.targets["a"] + s.targets["b"] + s.targets["c"] == 90
 
 
 def test_handover_issue_list_stays_bounded_without_acks() -> None:
