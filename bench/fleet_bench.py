@@ -16,8 +16,8 @@ Measured, in this order, on one fleet that grows from 1 to 3 to 8 masters:
 * ``failover_s``: one master is SIGKILLed → the survivors hold the whole capacity of every node
   (``--trials`` per master count; each killed master is replaced by a new one, which is a join).
 
-``--processes N`` instead runs N real ``nodeagent`` processes (one each, no engine probe) against
-two masters and measures the masters' steady-state CPU.
+``--processes N`` instead runs N real ``nodeagent`` processes (one each; one stand-in serves their idle
+engine load) against two masters and measures the masters' steady-state CPU.
 
 Writes bench/results/fleet.json (and fleet.png with --plot).
 """
@@ -30,13 +30,15 @@ import math
 import os
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from fleet_swarm import node_spec
+from fleet_swarm import IDLE_METRICS, node_spec
 from peers import RESULTS, cpu_seconds, environment, pyplot
 
 from nodeagent.slicing import slice_shares
@@ -298,6 +300,27 @@ def run_fleet(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def idle_engine() -> str:
+    """A thread serving an idle SGLang engine's load to every agent process: its ``/metrics`` URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = IDLE_METRICS.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/metrics"
+
+
 def run_processes(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fleet-procs-") as tmp, ProcessGroup(Path(tmp) / "logs") as group:
         etcd = LocalEtcd(data_dir=f"{tmp}/etcd", log_path=f"{tmp}/etcd.log", log_level="warn").start()
@@ -307,13 +330,16 @@ def run_processes(args: argparse.Namespace) -> dict[str, Any]:
             fleet.decode = set(fleet.specs)
             fleet.add_master()
             fleet.add_master()
+            engine = idle_engine()
             t0 = time.monotonic()
             for nid, cap in fleet.specs.items():
-                # The policy named like the swarm's: an agent without an engine has no load signal,
-                # so under demand it would ask every master for its demand each second.
+                # The agents' defaults (strict handover, the share policy asked for), with an engine
+                # load signal as beside a real engine: without one an agent under demand would ask
+                # every master for its demand each second. No liveness check: nothing serves it.
                 fleet.cluster.start_agent(
-                    nid, "decode", capacity=cap, wait=False, share_policy=args.share_policy
-                )
+                    nid, "decode", capacity=cap, wait=False, share_policy=args.share_policy,
+                    handover="strict", no_load_probe=False, metrics_url=engine,
+                )  # fmt: skip
             deadline = t0 + args.start_timeout
             while True:
                 # A health port picked as free can be taken before the agent binds it, which on a
@@ -416,7 +442,7 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=5.0, help="quiet seconds before each window")
     p.add_argument("--trials", type=int, default=3, help="SIGKILL trials per master count")
     p.add_argument("--start-timeout", type=float, default=300.0)
-    p.add_argument("--share-policy", default="static")
+    p.add_argument("--share-policy", default="demand")
     p.add_argument("--processes", type=int, default=0, help="also: N agent processes against 2 masters")
     p.add_argument("--skip-fleet", action="store_true", help="only --processes / --etcd-late")
     p.add_argument(

@@ -151,10 +151,10 @@ def build_parser() -> EnvArgumentParser:
     g.add_argument(
         "--share-policy",
         choices=["static", "demand"],
-        default="static",
-        help="static (default): an even split among live masters; demand: follow what masters run and "
-        "queue (active + wanted slots), with a floor, hysteresis and a bounded step (a joining master "
-        "starts at the floor and ramps, see bench/README.md)",
+        default="demand",
+        help="demand (default): follow what masters run and queue (active + wanted slots), with a "
+        "floor, hysteresis and a bounded step; an idle fleet and a joining master get an even split; "
+        "static: always an even split among live masters",
     )
     g.add_argument(
         "--share-floor",
