@@ -111,7 +111,7 @@ def next_epoch(previous: int, time_ns: int, stored: int = 0) -> int:
     return max(previous + 1, time_ns, stored + 1)
 
 
-# Shortest time a joining master counts as wanting an even share (see Slicer.join_prior_s).
+# Shortest time the split stays even after a master joins (see Slicer.join_prior_s).
 JOIN_PRIOR_MIN_S = 5.0
 
 HANDOVER_MODES = ("strict", "fast")
@@ -123,7 +123,7 @@ class SharePolicy:
     """How a node's capacity is split and handed over; the fields are the agent's flags of the same
     names (``--share-policy`` is ``policy``, ``--share-floor`` is ``floor``), carried unchanged."""
 
-    policy: str = "demand"  # demand: follow active + wanted slots (even when idle); static: even split
+    policy: str = "static"  # static: even split; demand: follow active + wanted slots (even when idle)
     handover: str = "strict"  # strict: shrink before grow; fast: shares move at once
     grace: float = 1.0  # seconds a master's stream may be down before it leaves the split
     floor: int = 1  # demand: slots every live master keeps
@@ -181,7 +181,7 @@ class Slicer:
     _last_up: dict[str, float] = field(default_factory=dict)
     # Masters whose last Ack said they drain with nothing queued: out of the split.
     _draining: set[str] = field(default_factory=set)
-    # When each member joined the split (demand: it is assumed to want an even share at first).
+    # When each member joined the split (demand: the node splits evenly for a while after a join).
     _joined: dict[str, float] = field(default_factory=dict)
     _ho: Handover = field(init=False)
 
@@ -340,24 +340,23 @@ class Slicer:
     # -- core ---------------------------------------------------------------------------------
     @property
     def join_prior_s(self) -> float:
-        """How long a master that joins the split counts as wanting at least an even share.
+        """How long after a master joins the split the node splits evenly, as the static policy does.
 
         A new master has no queue yet, but a load balancer is about to send it its part of the
         clients (readiness probes run every few seconds). Starting it at the floor would cap its
         queue at a sliver of the node and refuse that first wave; an even start is what the static
-        split gives, and the rebalance then follows the demand it reports.
+        split gives, and the rebalance then follows the demand every master reports.
         """
         return max(JOIN_PRIOR_MIN_S, 3 * self.policy.rebalance_interval)
 
     def _demands(self, members: tuple[str, ...], now: float) -> dict[str, int]:
         hs = self._ho.holders
-        even = self.capacity // len(members) if members else 0
-        out = {}
-        for m in members:
-            demand = hs[m].demand if m in hs else 0
-            if now < self._joined.get(m, now) + self.join_prior_s:
-                demand = max(demand, even)
-            out[m] = demand
+        out = {m: (hs[m].demand if m in hs else 0) for m in members}
+        if any(now < self._joined.get(m, now) + self.join_prior_s for m in members):
+            # Every member wants at least its even share: max-min fairness then gives exactly the
+            # even split (no slot is left over to follow anyone's larger demand).
+            even = slice_shares(self.capacity, members, self.node_id)
+            out = {m: max(d, even[m]) for m, d in out.items()}
         return out
 
     def _compute_targets(self, members: tuple[str, ...], now: float, reset: bool) -> dict[str, int]:

@@ -257,6 +257,25 @@ def test_demand_policy_starts_a_joining_master_at_an_even_share() -> None:
     assert s.targets["c"] < 10 and s.targets["a"] + s.targets["b"] + s.targets["c"] == 90
 
 
+def test_demand_policy_splits_an_idle_node_exactly_evenly_when_a_master_joins() -> None:
+    """No demand anywhere: the join gives the static split exactly, not the newcomer's even share
+    plus a part of the slots nobody asked for (which a second handover would then take back)."""
+    from nodeagent.slicing import slice_shares
+
+    for cap in (1, 8, 37, 256):
+        s = started(cap, ["a", "b"], policy="demand", rebalance_interval=1.0)
+        t = s.join_prior_s + 1.0
+        s.tick(t, 10)
+        joined = t + 1.0
+        s.set_masters(["a", "b", "c"], joined, 11)
+        s.stream_up("c", joined, 11)
+        even = slice_shares(cap, ["a", "b", "c"], "d1")
+        assert dict(s.targets) == even
+        for k in range(1, 12):  # and it stays so once the window is over
+            s.tick(joined + k, 11 + k)
+            assert dict(s.targets) == even, (cap, k)
+
+
 def test_handover_issue_list_stays_bounded_without_acks() -> None:
     h = Handover(10, strict=True)
     h.include("a")
