@@ -10,9 +10,9 @@ Two things are implemented here rather than taken from etcd3aio, on purpose:
 * the prefix watch tracks the revision of the last *event* it delivered and resumes from the next
   one, so a reconnect never skips events (etcd3aio resumes from the response header revision, which
   for the creation response and for catch-up batches is ahead of the events actually delivered);
-* lease keep-alive is one request at a time (:meth:`EtcdClient.keep_alive_once`), so the keeper
-  in :mod:`pdcoord.registration` can retry through an outage and report a lost lease (etcd3aio's
-  ``LeaseKeepalive`` stops silently).
+* lease keep-alive is one request and its answer at a time on a long-lived stream
+  (:class:`LeaseRenewer`), so the keeper in :mod:`pdcoord.registration` can retry through an outage
+  and report a lost lease (etcd3aio's ``LeaseKeepalive`` stops silently).
 """
 
 from __future__ import annotations
@@ -406,23 +406,17 @@ class EtcdClient:
         return int(resp.TTL) if resp.TTL > 0 else -1
 
     async def keep_alive_once(self, lease_id: int) -> int:
-        """Renew *lease_id* once; returns the TTL etcd reports (0 or less: the lease is gone)."""
-        self._c()
-        stub = self._lease_stub
-        assert stub is not None
+        """Renew *lease_id* once on a stream of its own; returns the TTL etcd reports (0 or less:
+        the lease is gone). A lease renewed again and again should use :meth:`renewer`."""
+        renewer = self.renewer(lease_id)
+        try:
+            return await renewer.renew()
+        finally:
+            renewer.close()
 
-        async def one() -> AsyncIterator[Any]:
-            yield LeaseKeepAliveRequest(ID=lease_id)
-
-        with self._errors(f"keep-alive lease {lease_id:x}"):
-            call = stub.LeaseKeepAlive(one(), metadata=self._metadata(), timeout=self.timeout)
-            try:
-                async with asyncio.timeout(self.timeout):
-                    async for resp in call:
-                        return int(resp.TTL)
-            finally:
-                call.cancel()
-        raise EtcdUnavailable(f"{self.where}: keep-alive lease {lease_id:x}: stream closed without an answer")
+    def renewer(self, lease_id: int) -> LeaseRenewer:
+        """A :class:`LeaseRenewer` of *lease_id* on this client."""
+        return LeaseRenewer(self, lease_id)
 
     # ---------------------------------------------------------------- watch & status
 
@@ -508,6 +502,52 @@ class EtcdClient:
             return False
 
 
+class LeaseRenewer:
+    """Renews one lease over one long-lived ``LeaseKeepAlive`` stream: a renewal is one message each
+    way. A stream per renewal made etcd set up and tear down a gRPC stream for every agent every
+    TTL/3 seconds, its largest steady-state cost at a thousand nodes. Any failure closes the stream
+    (a late answer must not be taken for the next renewal's); the next renewal opens a new one, with
+    the current credentials.
+    """
+
+    def __init__(self, client: EtcdClient, lease_id: int) -> None:
+        self.client = client
+        self.lease_id = lease_id
+        self._call: Any = None
+
+    async def renew(self) -> int:
+        """Renew once; the TTL etcd reports (0 or less: the lease is gone)."""
+        c = self.client
+        c._c()
+        op = f"keep-alive lease {self.lease_id:x}"
+        try:
+            with c._errors(op):
+                if self._call is not None and self._call.done():
+                    self._call = None  # ended under us (etcd restarted, connection reset): a new one
+                if self._call is None:
+                    stub = c._lease_stub
+                    assert stub is not None
+                    self._call = stub.LeaseKeepAlive(metadata=c._metadata())
+                try:
+                    async with asyncio.timeout(c.timeout):
+                        await self._call.write(LeaseKeepAliveRequest(ID=self.lease_id))
+                        resp = await self._call.read()
+                except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+                    # the stream finished between the check and the write
+                    raise EtcdUnavailable(f"{c.where}: {op}: stream ended ({exc})") from exc
+            if resp is grpc.aio.EOF:
+                raise EtcdUnavailable(f"{c.where}: {op}: stream closed without an answer")
+        except BaseException:
+            self.close()
+            raise
+        return int(resp.TTL)
+
+    def close(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+
+
 __all__ = [
     "EtcdAuthError",
     "EtcdClient",
@@ -516,6 +556,7 @@ __all__ = [
     "EtcdUnavailable",
     "KeyValue",
     "LeaseNotFound",
+    "LeaseRenewer",
     "WatchCompacted",
     "WatchEvent",
     "WatchRevisionReset",

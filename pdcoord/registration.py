@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from pdcoord.etcd import EtcdClient, EtcdError, EtcdUnavailable, KeyValue, LeaseNotFound
+from pdcoord.etcd import EtcdClient, EtcdError, EtcdUnavailable, KeyValue, LeaseNotFound, LeaseRenewer
 
 _log = logging.getLogger(__name__)
 
@@ -114,11 +114,18 @@ class LeaseKeeper:
         await self.stop()
 
     async def _run(self) -> None:
+        renewer = self.client.renewer(self.lease_id)
+        try:
+            await self._renew_forever(renewer)
+        finally:
+            renewer.close()
+
+    async def _renew_forever(self, renewer: LeaseRenewer) -> None:
         failures = 0
         retry = min(self.interval, 0.25)
         while True:
             try:
-                ttl = await self.client.keep_alive_once(self.lease_id)
+                ttl = await renewer.renew()
             except EtcdError as exc:
                 failures += 1
                 if failures == 1:

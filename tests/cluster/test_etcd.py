@@ -606,3 +606,18 @@ def test_run_foreground_forwards_sigterm(tmp_path: Path) -> None:
                 proc.wait()
         if proc.stderr:
             proc.stderr.close()
+
+
+async def test_a_renewer_keeps_one_stream_and_reopens_it_after_a_failure(etcd_client: EtcdClient) -> None:
+    lease = await etcd_client.grant_lease(5)
+    renewer = etcd_client.renewer(lease)
+    try:
+        assert await renewer.renew() > 0
+        stream = renewer._call
+        assert await renewer.renew() > 0 and renewer._call is stream  # one stream, many renewals
+        stream.cancel()  # the stream breaks (etcd restarted, connection reset): the next renewal
+        assert await renewer.renew() > 0 and renewer._call is not stream  # opens a new one
+        await etcd_client.revoke_lease(lease)
+        assert await renewer.renew() <= 0
+    finally:
+        renewer.close()
