@@ -342,8 +342,8 @@ def run_processes(args: argparse.Namespace) -> dict[str, Any]:
                 )  # fmt: skip
             deadline = t0 + args.start_timeout
             while True:
-                # A health port picked as free can be taken before the agent binds it, which on a
-                # busy machine happens well after start-up too: pick again until all hold.
+                # A health port picked as free can be taken before the agent binds it (at its
+                # start; these agents start without waiting for it): restart those on a new one.
                 for nid in fleet.specs:
                     if not fleet.cluster.agents[nid].proc.alive:
                         print(f"  agent {nid} exited at start-up; restarting it", flush=True)

@@ -523,13 +523,16 @@ class NodeAgent:
             await asyncio.sleep(max(0.0, self.cfg.health_interval - (time.monotonic() - started)))
 
     # -- health -------------------------------------------------------------------------------
+    @property
+    def registered(self) -> bool:
+        return self.ready.is_set() and self.registration is not None
+
     def status(self) -> dict[str, Any]:
         return {
             "node_id": self.cfg.node_id,
             "role": self.cfg.role,
             "endpoint": self.cfg.endpoint,
-            # false while etcd has not answered yet (the agent keeps retrying)
-            "registered": self.ready.is_set() and self.registration is not None,
+            "registered": self.registered,  # false while etcd has not answered yet (it keeps retrying)
             "running_max_req_size": self.slicer.capacity,
             "epoch": self.slicer.epoch,
             "shares": dict(self.slicer.shares),
@@ -554,16 +557,15 @@ class NodeAgent:
         }
 
     async def _start_health(self) -> None:
+        """Serve /health and /status from the start, before etcd answers: /status then says the agent
+        is still registering, and a port clash is a start-up error naming the flag, not a crash later."""
         if self.cfg.health_port is None:
             return
         app = web.Application()
 
         async def health(_r: web.Request) -> web.Response:
-            ok = self.ready.is_set() and self.registration is not None
+            ok = self.registered
             return web.json_response({"ok": ok}, status=200 if ok else 503)
-
-        # Served from the start, before etcd answers: /status then says the agent is still
-        # registering, and a port clash is a start-up error naming the flag, not a crash later.
 
         async def status(_r: web.Request) -> web.Response:
             return web.json_response(self.status())

@@ -405,15 +405,6 @@ class EtcdClient:
             resp = await lease.time_to_live(lease_id, timeout=self.timeout)
         return int(resp.TTL) if resp.TTL > 0 else -1
 
-    async def keep_alive_once(self, lease_id: int) -> int:
-        """Renew *lease_id* once on a stream of its own; returns the TTL etcd reports (0 or less:
-        the lease is gone). A lease renewed again and again should use :meth:`renewer`."""
-        renewer = self.renewer(lease_id)
-        try:
-            return await renewer.renew()
-        finally:
-            renewer.close()
-
     def renewer(self, lease_id: int) -> LeaseRenewer:
         """A :class:`LeaseRenewer` of *lease_id* on this client."""
         return LeaseRenewer(self, lease_id)

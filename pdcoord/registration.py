@@ -211,8 +211,7 @@ class Registration:
             # Our own earlier attempt did create the key, but its answer was lost (etcd slow or
             # restarting) and the lease could not be revoked then. It is not another live holder:
             # revoking it deletes the key, and this attempt claims it afresh.
-            with contextlib.suppress(LeaseNotFound):
-                await self.client.revoke_lease(existing.lease)
+            await self.client.revoke_lease(existing.lease)
             self._unsure.discard(existing.lease)
             existing = await self.client.get(self.key)
         if existing is not None:
@@ -223,8 +222,6 @@ class Registration:
         except BaseException:
             try:
                 await self.client.revoke_lease(lease)
-            except LeaseNotFound:
-                pass
             except EtcdError:
                 self._unsure.add(lease)
             raise

@@ -90,7 +90,6 @@ class Exchange:
         "_head_fut",
         "_last_bytes",
         "_mode",
-        "_pool",
         "_sent_at",
         "_sink",
         "_wake",
@@ -110,7 +109,6 @@ class Exchange:
         self._head_fut: asyncio.Future[None] | None = None
         self._wake: asyncio.Future[None] | None = None
         self._done_cb: Callable[[Exchange], None] | None = None
-        self._pool: EnginePool | None = None  # while the pool's watchdog checks its timeouts
         # Timeouts by phase (loop.time()): sent, last bytes seen by the watchdog, the total cap (inf:
         # none). The socket callback only raises ``_fresh``; the watchdog turns it into a time.
         self._sent_at = 0.0
@@ -227,14 +225,12 @@ class Exchange:
             return
         self.done = True
         self.error = error
-        self._conn = None
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.pool._unwatch(self)
         # The sink closes over the response that holds this exchange: drop it, so that the request's
         # objects go with their last reference instead of waiting for the cycle collector.
         self._sink = None
-        pool = self._pool
-        if pool is not None:
-            self._pool = None
-            pool._watched.discard(self)
         fut = self._head_fut
         if fut is not None and not fut.done():
             if error is None:
@@ -417,21 +413,21 @@ class EnginePool:
         return conn.send(request, _DISCARD if discard else _BUFFER)
 
     def _watch(self, ex: Exchange) -> None:
-        ex._pool = self
         self._watched.add(ex)
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().call_later(self.tick, self._sweep)
+
+    def _unwatch(self, ex: Exchange) -> None:
+        self._watched.discard(ex)
 
     def _sweep(self) -> None:
         self._watchdog = None
         if not self._watched:
             return  # idle: no timer until the next request
         now = asyncio.get_running_loop().time()
-        for ex in list(self._watched):  # expiring one removes it from the set
+        for ex in list(self._watched):  # an exchange that ends (here or meanwhile) unwatches itself
             conn = ex._conn
-            if conn is None:
-                self._watched.discard(ex)
-            else:
+            if conn is not None:
                 conn._check(ex, now)
         if self._watched:
             self._watchdog = asyncio.get_running_loop().call_later(self.tick, self._sweep)
