@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -159,17 +160,39 @@ class Fleet:
         self._next_master += 1
         return mid
 
-    def harness_cpu(self) -> float:
-        return sum(cpu_seconds(s.pid) for s in self.swarms)
+    def harness_cpu(self) -> dict[str, float]:
+        """CPU-seconds so far of the agent processes, the live masters and etcd."""
+        out = {"agents": sum(cpu_seconds(s.pid) for s in self.swarms)}
+        out["masters"] = sum(cpu_seconds(self.cluster.masters[m].proc.pid) for m in self.live)
+        assert self.etcd.pid is not None
+        out["etcd"] = cpu_seconds(self.etcd.pid)
+        return out
 
-    def note_transition(self, what: str, wall: float, cpu0: float) -> None:
-        """How busy the agent processes were during a transition: near the machine's core count
-        means the time measured is the harness's CPU throughput, not the protocol's latency."""
-        cores = (self.harness_cpu() - cpu0) / wall if wall > 0 else 0.0
-        self.transitions.append({"what": what, "wall_s": round(wall, 3), "agent_cores_busy": round(cores, 2)})
+    def profile(self, sig: signal.Signals) -> None:
+        """Bracket a transition with the swarms' profiler (``--profile-dir``)."""
+        if self.args.profile_dir:
+            for s in self.swarms:
+                os.kill(s.pid, sig)
+
+    def note_transition(self, what: str, wall: float, cpu0: dict[str, float]) -> None:
+        """How busy the agent processes (and the masters, etcd) were during a transition: near the
+        machine's core count means the time measured is the harness's CPU throughput, not the
+        protocol's latency. A master killed in the transition is not in the masters' figure."""
+        cpu1 = self.harness_cpu()
+        busy = {k: round((cpu1[k] - cpu0[k]) / wall, 2) if wall > 0 else 0.0 for k in cpu0}
+        self.transitions.append(
+            {
+                "what": what,
+                "wall_s": round(wall, 3),
+                "agent_cores_busy": busy["agents"],
+                "masters_cores_busy": busy["masters"],
+                "etcd_cores_busy": busy["etcd"],
+            }
+        )
 
     def add_master(self, timeout: float = 60.0) -> float:
         mid = self.new_master_id()
+        self.profile(signal.SIGUSR1)
         cpu0 = self.harness_cpu()
         t0 = time.monotonic()
         self.cluster.start_master(mid)
@@ -178,6 +201,7 @@ class Fleet:
         if self.swarms or self.cluster.agents:  # no fleet yet: nothing to hold
             held = self.wait_all_hold([mid], sorted(self.live), timeout)
         took = time.monotonic() - t0
+        self.profile(signal.SIGUSR2)
         if self.swarms:
             self.note_transition(f"join {mid}", took, cpu0)
         return took if math.isfinite(held) else math.inf
@@ -189,7 +213,8 @@ class Fleet:
             argv = [sys.executable, str(BENCH / "fleet_swarm.py"), "--etcd", self.etcd.endpoint,
                     "--cluster", self.cluster.cluster, "--first", str(first),
                     "--count", str(min(per, self.args.nodes - first)),
-                    "--share-policy", self.args.share_policy]  # fmt: skip
+                    "--share-policy", self.args.share_policy,
+                    *(["--profile-dir", self.args.profile_dir] if self.args.profile_dir else [])]  # fmt: skip
             self.swarms.append(self.group.start(f"swarm{k}", argv))
         if wait:
             self.wait_all_hold(list(self.live), sorted(self.live), self.args.start_timeout)
@@ -199,11 +224,13 @@ class Fleet:
         victim = self.live[len(self.live) // 2]
         self.live.remove(victim)
         proc = self.cluster.masters[victim].proc
+        self.profile(signal.SIGUSR1)
         cpu0 = self.harness_cpu()
         t0 = time.monotonic()
         proc.kill()
         held = self.wait_all_hold(list(self.live), sorted(self.live), 60.0)
         took = time.monotonic() - t0
+        self.profile(signal.SIGUSR2)
         self.note_transition(f"SIGKILL {victim}", took, cpu0)
         return took if math.isfinite(held) else math.inf
 
@@ -450,6 +477,11 @@ def main() -> None:
         type=float,
         default=0.0,
         help="also: start a master and --nodes agents with no etcd listening, etcd after this many seconds",
+    )
+    p.add_argument(
+        "--profile-dir",
+        default="",
+        help="write a cProfile of every swarm process for every transition (join, SIGKILL) here",
     )
     p.add_argument("--label", default="", help="stored with the results (e.g. before/after)")
     p.add_argument("--out", default=str(RESULTS / "fleet.json"))

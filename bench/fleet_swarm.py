@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import hashlib
 import json
 import logging
 import signal
 import time
+from pathlib import Path
 
 from aiohttp import web
 
@@ -87,12 +89,37 @@ async def run(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if args.profile_dir:
+        _profile_on_signals(loop, Path(args.profile_dir), f"swarm{args.first:05d}")
     t0 = time.monotonic()
     await asyncio.gather(*(a.start() for a in agents))
     print(json.dumps({"started": len(agents), "seconds": round(time.monotonic() - t0, 3)}), flush=True)
     await stop.wait()
     await asyncio.gather(*(a.stop() for a in agents), return_exceptions=True)
     await runner.cleanup()
+
+
+def _profile_on_signals(loop: asyncio.AbstractEventLoop, out: Path, name: str) -> None:
+    """SIGUSR1 starts a profile of the event loop's thread, SIGUSR2 writes it (``<name>-<k>.pstats``):
+    the benchmark brackets one transition with them, so the profile holds that transition alone."""
+    state: dict[str, object] = {"k": 0, "prof": None}
+
+    def start() -> None:
+        prof = cProfile.Profile()
+        prof.enable()
+        state["prof"] = prof
+
+    def dump() -> None:
+        prof = state["prof"]
+        if isinstance(prof, cProfile.Profile):
+            prof.disable()
+            k = int(str(state["k"]))
+            prof.dump_stats(out / f"{name}-{k:02d}.pstats")
+            state["k"], state["prof"] = k + 1, None
+
+    out.mkdir(parents=True, exist_ok=True)
+    loop.add_signal_handler(signal.SIGUSR1, start)
+    loop.add_signal_handler(signal.SIGUSR2, dump)
 
 
 def main() -> None:
@@ -108,6 +135,7 @@ def main() -> None:
     # Each agent checks its own engine on its own host in a fleet; here a thousand agents' checks
     # (2 000 requests/s at the agent's 0.5 s) would share two cores with the masters being measured.
     p.add_argument("--health-interval", type=float, default=5.0, help="engine liveness check period")
+    p.add_argument("--profile-dir", default="", help="profile from SIGUSR1 to SIGUSR2 into this directory")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s swarm %(levelname)s %(name)s: %(message)s")

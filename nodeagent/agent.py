@@ -51,6 +51,7 @@ _ROLE = {"prefill": pb.PREFILL, "decode": pb.DECODE}
 # At most 20 reports per second per master (the master refuses more than --max-reports-per-s, 50).
 MIN_REPORT_GAP_S = 0.05
 PERSIST_MIN_GAP_S = 1.0
+NODE_VALUE_MIN_GAP_S = 10.0
 CHANNEL_READY_WAIT_S = 5.0
 
 
@@ -161,22 +162,39 @@ class NodeAgent:
             return 0
 
     async def _persist_loop(self) -> None:
-        """Write the newest epoch to etcd, coalesced; a restarted agent starts above it."""
+        """Write the newest epoch to etcd, coalesced; a restarted agent starts above it.
+
+        Two keys: the epoch key (no lease: it outlives the agent) guards a clock that steps back
+        across a restart, written at most once a second; ``last_epoch`` in the node's registration
+        is for operators reading etcd and lags by up to ``NODE_VALUE_MIN_GAP_S``. Writing both on
+        every change put two writes a second per node on etcd during a thousand-node join.
+        """
         backoff, outage = Backoff(), Outage(log, "persisting the epoch")
+        value_epoch, value_at = 0, -NODE_VALUE_MIN_GAP_S
         while True:
-            await self._persist_wake.wait()
-            self._persist_wake.clear()
-            epoch = self.slicer.epoch
-            if epoch <= self._persisted_epoch:
+            epoch, now = self.slicer.epoch, time.monotonic()
+            key_due = epoch > self._persisted_epoch
+            value_due = self.registration is not None and epoch > value_epoch
+            if not key_due and not value_due:
+                await self._persist_wake.wait()
+                self._persist_wake.clear()
+                continue
+            if not key_due and now < value_at + NODE_VALUE_MIN_GAP_S:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(value_at + NODE_VALUE_MIN_GAP_S - now):
+                        await self._persist_wake.wait()
+                self._persist_wake.clear()
                 continue
             try:
-                await self.etcd.put(self.keys.epoch(self.cfg.node_id), str(epoch))
-                if self.registration is not None:
+                if key_due:
+                    await self.etcd.put(self.keys.epoch(self.cfg.node_id), str(epoch))
+                    self._persisted_epoch = epoch
+                if self.registration is not None and value_due and now >= value_at + NODE_VALUE_MIN_GAP_S:
                     await self.registration.update(self._node_value())
-                self._persisted_epoch = epoch
+                    value_epoch, value_at = epoch, now
                 outage.recovered()
                 backoff.reset()
-                # At most one write pair per second: a join or failover moves every node's epoch
+                # At most one epoch write per second: a join or failover moves every node's epoch
                 # once or twice within milliseconds, and a thousand nodes writing each step is
                 # etcd's busiest moment. Epochs follow time_ns, so a restart (which takes longer
                 # than this) starts above an epoch not yet written anyway; the key guards a clock
@@ -185,7 +203,6 @@ class NodeAgent:
             except EtcdError as exc:
                 outage.failed(exc)
                 await asyncio.sleep(backoff.next())
-                self._persist_wake.set()
 
     async def _watch_masters(self) -> None:
         prefix = self.keys.masters_prefix
@@ -409,7 +426,8 @@ class NodeAgent:
             if everyone or link.sent_share != self.slicer.share_for(link.master_id):
                 link.send_now.set()
         self._persist_wake.set()
-        self._probe_wake.set()  # a departed master's slots wait for a fresh engine sample
+        if self.slicer.waits_for_engine:
+            self._probe_wake.set()  # a departed master's slots wait for a fresh engine sample
         self._kick.set()
 
     def _report_period(self) -> float:
@@ -496,9 +514,10 @@ class NodeAgent:
                 self._load_dirty = True
                 self._kick.set()
             # Fast while a handover waits for the engine's count, so that a crashed master's slots
-            # move on within about a second (strict mode); slow otherwise: at a thousand nodes a
-            # probe every 0.25 s is most of an agent's work and tells the masters nothing new.
-            period = 0.25 if self.slicer.handover_pending else self.cfg.probe_interval
+            # move on within about a second (strict mode); slow otherwise, a join included (the
+            # masters' Acks move it on): at a thousand nodes a probe every 0.25 s is most of an
+            # agent's work during a join and tells the masters nothing new.
+            period = 0.25 if self.slicer.waits_for_engine else self.cfg.probe_interval
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(period):
                     await self._probe_wake.wait()

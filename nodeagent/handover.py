@@ -230,6 +230,11 @@ class Handover:
                 (e0, s0), (_, s1) = h.issued[0], h.issued[1]
                 h.issued[:2] = [(e0, max(s0, s1))]
 
+    def waits_for_sample(self, reachable: Iterable[str]) -> bool:
+        """Some reserved slots can be released only by an engine sample (see :meth:`probe`)."""
+        near = set(reachable)
+        return any(m not in near for m in self.orphans)
+
     def pending(self, targets: Mapping[str, int], grants: Mapping[str, int]) -> bool:
         return any(grants.get(m, 0) < t for m, t in targets.items())
 

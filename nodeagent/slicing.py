@@ -323,6 +323,16 @@ class Slicer:
         """Some master waits for slots others still hold: Acks are worth asking for often."""
         return self._ho.pending(self._targets, self._shares)
 
+    @property
+    def waits_for_engine(self) -> bool:
+        """A master waits for slots that only an engine sample can free: those of a master that is
+        gone (or of the agent's previous incarnation). Only then is sampling the engine often worth
+        it; a join or a drain moves on by the masters' own Acks."""
+        if not self.handover_pending:
+            return False
+        reachable = [m for m, v in self.views.items() if v.connected]
+        return self._ho.waits_for_sample(reachable)
+
     def share_for(self, master_id: str) -> int:
         return self._shares.get(master_id, 0)
 

@@ -435,6 +435,20 @@ class _ClassQueue:
         return best
 
 
+def _check_shares(shares: Mapping[str, int]) -> None:
+    for node, s in shares.items():
+        if int(s) != s or s < 0:
+            raise ValueError(f"share of {node!r} must be a non-negative integer, got {s!r}")
+
+
+def _uncount(counts: dict[int, int], value: int) -> None:
+    n = counts[value] - 1
+    if n:
+        counts[value] = n
+    else:
+        del counts[value]
+
+
 class AdmissionCore:
     """Bounded, fair, gang-aware admission in front of this master's decode shares."""
 
@@ -447,6 +461,9 @@ class AdmissionCore:
         # nodes
         self._shares: dict[str, int] = {}
         self._full: dict[str, int] = {}
+        # How many nodes have each share / full capacity: their maxima in O(distinct values).
+        self._share_counts: dict[int, int] = {}
+        self._full_counts: dict[int, int] = {}
         self._active: dict[str, int] = {}
         self._node_ver: dict[str, int] = {}
         self._ver = 0
@@ -569,28 +586,52 @@ class AdmissionCore:
         Setting the same effective shares again is a no-op: DRR and backfill state are untouched.
         """
         self._begin()
-        eff: dict[str, int] = {}
-        for node, s in shares.items():
-            if int(s) != s or s < 0:
-                raise ValueError(f"share of {node!r} must be a non-negative integer, got {s!r}")
+        _check_shares(shares)
+        changes = {n: int(s) for n, s in shares.items()}
+        for node in self._shares:
+            changes.setdefault(node, 0)
+        return self._apply_shares(changes, node_capacity)
+
+    def update_shares(
+        self, changes: Mapping[str, int], node_capacity: Mapping[str, int] | None = None
+    ) -> list[Ticket]:
+        """Like :meth:`set_shares` for the nodes in ``changes`` only (0: the node takes no new work);
+        the others keep their shares. O(len(changes)): a master hears of a thousand nodes' changes
+        in small batches."""
+        self._begin()
+        _check_shares(changes)
+        return self._apply_shares({n: int(s) for n, s in changes.items()}, node_capacity)
+
+    def _apply_shares(
+        self, changes: Mapping[str, int], node_capacity: Mapping[str, int] | None
+    ) -> list[Ticket]:
+        moved = False
+        for node, s in changes.items():
+            old_full = self._full.pop(node, None)
+            if old_full is not None:
+                _uncount(self._full_counts, old_full)
             if s > 0:
-                eff[node] = int(s)
-        full = {n: max(int(node_capacity.get(n, s)) if node_capacity else s, s) for n, s in eff.items()}
-        self._full = full
-        self._max_full = max(full.values(), default=0)
-        if eff == self._shares:
-            return self._end()
-        for node in set(self._shares) | set(eff):
-            if self._shares.get(node) == eff.get(node):
-                continue  # untouched: a share change on one node of a thousand costs O(1) heap work
+                full = max(int(node_capacity.get(node, s)) if node_capacity else s, s)
+                self._full[node] = full
+                self._full_counts[full] = self._full_counts.get(full, 0) + 1
+            old = self._shares.get(node, 0)
+            if old == s:
+                continue
+            moved = True
             self._shares.pop(node, None)
-            if node in eff:
-                self._shares[node] = eff[node]
+            if old:
+                _uncount(self._share_counts, old)
+            if s > 0:
+                self._shares[node] = s
+                self._share_counts[s] = self._share_counts.get(s, 0) + 1
+            self._capacity += s - old
             self._touch_node(node)
-        self._capacity = sum(eff.values())
+        self._max_full = max(self._full_counts, default=0)
+        if not moved:
+            return self._end()
         self._bound = math.floor(self.policy.queue_waves * self._capacity + 1e-9)
         self._budget = math.floor(self.policy.backfill_waves * self._capacity + 1e-9)
-        self._max_share = max(eff.values(), default=0)
+        self._max_share = max(self._share_counts, default=0)
         if not self._bypass and self._queued_n:
             if self._capacity == 0:
                 for c in reversed(CLASS_ORDER):

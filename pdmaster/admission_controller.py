@@ -248,6 +248,12 @@ class AdmissionController:
         """This master's share per decode node; equal effective shares are a no-op."""
         self._apply(self.core.set_shares(shares, node_capacity))
 
+    def update_shares(
+        self, changes: Mapping[str, int], node_capacity: Mapping[str, int] | None = None
+    ) -> None:
+        """The shares of the nodes in ``changes`` only (0: no new work there); O(len(changes))."""
+        self._apply(self.core.update_shares(changes, node_capacity))
+
     def promote_session(self, session_id: str) -> None:
         self._apply(self.core.promote_session(session_id))
 

@@ -121,6 +121,10 @@ def _bootstrap_port(node_id: str, text: str | None) -> int | None:
 
 
 SharesListener = Callable[[Mapping[str, int]], None]
+# node_id -> (decode share, the node's running_max_req_size) for the nodes whose share changed; a share
+# of 0: the node holds none any more.
+ShareChanges = Mapping[str, tuple[int, int]]
+ShareChangesListener = Callable[[ShareChanges], None]
 # (node_id, role) of a node that stopped holding a share over a live stream.
 LeftListener = Callable[[str, str], None]
 
@@ -148,6 +152,9 @@ class NodeRegistry:
         self._listeners: list[SharesListener] = []
         self._left_listeners: list[LeftListener] = []
         self._decode_shares: dict[str, int] = {}
+        self._decode_full: dict[str, int] = {}
+        self._change_listeners: list[ShareChangesListener] = []
+        self._changes: dict[str, tuple[int, int]] = {}
         self.stale_total = 0
         self._connected = 0
         self._capacity = 0
@@ -166,6 +173,13 @@ class NodeRegistry:
         """Call ``listener(decode_shares)`` now and whenever an effective decode share changes."""
         self._listeners.append(listener)
         listener(dict(self._decode_shares))
+
+    def subscribe_changes(self, listener: ShareChangesListener) -> None:
+        """Call ``listener(changes)`` now with every decode share, then with the nodes whose share
+        (or capacity) changed since the previous call: O(changes) per batch, where ``subscribe``
+        copies all shares each time (a join moves every node's share, in many small batches)."""
+        self._change_listeners.append(listener)
+        listener({n: (s, self._decode_full[n]) for n, s in self._decode_shares.items()})
 
     def on_node_left(self, listener: LeftListener) -> None:
         """Call ``listener(node_id, role)`` whenever a node leaves the live set (stream gone, share 0)."""
@@ -196,14 +210,18 @@ class NodeRegistry:
             for left in self._left_listeners:
                 left(node_id, was)
         share = node.effective_share if node is not None and role == DECODE else 0
+        full = node.running_max_req_size if share and node is not None else 0
         old = self._decode_shares.get(node_id, 0)
-        if share == old:
+        if share == old and self._decode_full.get(node_id, 0) == full:
             return  # epoch-only or load-only changes never disturb admission
         if share:
             self._decode_shares[node_id] = share
+            self._decode_full[node_id] = full
         else:
             del self._decode_shares[node_id]
+            del self._decode_full[node_id]
         self._capacity += share - old
+        self._changes[node_id] = (share, full)
         if self._defer is None:
             self._notify()
         elif not self._notify_pending:
@@ -219,8 +237,13 @@ class NodeRegistry:
 
     def _notify(self) -> None:
         self._notify_pending = False
-        for listener in self._listeners:
-            listener(dict(self._decode_shares))
+        changes, self._changes = self._changes, {}
+        for on_changes in self._change_listeners:
+            on_changes(changes)
+        if self._listeners:
+            shares = dict(self._decode_shares)
+            for listener in self._listeners:
+                listener(shares)
 
     # -- protocol -----------------------------------------------------------------------------
     def register(

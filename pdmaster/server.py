@@ -9,7 +9,6 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -33,7 +32,7 @@ from pdmaster.engine.health import BreakerState, CircuitBreaker, EngineBreakers
 from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import MasterMetrics, RequestMetrics
 from pdmaster.pipeline import RequestPipeline
-from pdmaster.registry import DECODE, NodeRegistry
+from pdmaster.registry import DECODE, NodeRegistry, ShareChanges
 from pdmaster.routing import POLICIES, Router
 
 log = logging.getLogger(__name__)
@@ -89,7 +88,7 @@ class MasterServer:
         self.admission = AdmissionController(
             cfg.admission, registry=self.metrics_registry, master_id=self.master_id
         )
-        self.registry.subscribe(self._on_shares)
+        self.registry.subscribe_changes(self._on_shares)
         self.coordination = CoordinationService(
             self.master_id,
             self.registry,
@@ -127,11 +126,11 @@ class MasterServer:
         self._stop = asyncio.Event()
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def _on_shares(self, shares: Mapping[str, int]) -> None:
-        caps = {
-            nid: self.registry.nodes[nid].running_max_req_size for nid in shares if nid in self.registry.nodes
-        }
-        self.admission.set_shares(shares, caps)
+    def _on_shares(self, changes: ShareChanges) -> None:
+        self.admission.update_shares(
+            {nid: share for nid, (share, _) in changes.items()},
+            {nid: full for nid, (_, full) in changes.items()},
+        )
 
     # -- engine faults --------------------------------------------------------------------------
     def _on_breaker(self, node_id: str, breaker: CircuitBreaker) -> None:

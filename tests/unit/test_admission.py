@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdmaster.admission import (
     AdmissionCore,
@@ -577,3 +579,58 @@ def test_avoiding_every_node_with_room_skips_nothing_else() -> None:
     assert sorted(t.node or "" for t in got[:3]) == ["d3", "d4", "d5"] and got[3].state is Q
     # the heap still knows every node: normal requests fill the avoided ones
     assert sorted(core.submit(1, COLD).node or "" for _ in range(3)) == ["d0", "d1", "d2"]
+
+
+NODES = ["d1", "d2", "d3", "d4"]
+share_updates = st.dictionaries(st.sampled_from(NODES), st.integers(0, 6), min_size=1, max_size=4)
+admission_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("shares"), share_updates, st.integers(0, 3)),
+        st.tuples(st.just("submit"), st.integers(1, 4), st.sampled_from([CONT, PROB, COLD])),
+        st.tuples(st.just("release"), st.integers(0, 50), st.just(None)),
+    ),
+    max_size=40,
+)
+
+
+def outcome(changes: list[Ticket]) -> list[tuple[int, str, str | None]]:
+    return [(t.id, t.state.value, t.node) for t in changes]
+
+
+@given(admission_ops)
+@settings(max_examples=150, deadline=None)
+def test_updating_some_shares_equals_setting_them_all(ops: list[tuple[str, object, object]]) -> None:
+    """A master applies share changes as they come (``update_shares``, a few nodes at a time); that
+    must leave admission exactly where setting the whole table (``set_shares``) would."""
+    full, inc = Clock(), Clock()
+    a = AdmissionCore(AdmissionPolicy(queue_waves=1.0), clock=full)
+    b = AdmissionCore(AdmissionPolicy(queue_waves=1.0), clock=inc)
+    table: dict[str, int] = {}
+    caps: dict[str, int] = {}
+    granted_a: list[Ticket] = []
+    granted_b: list[Ticket] = []
+    for kind, x, y in ops:
+        if kind == "shares":
+            assert isinstance(x, dict) and isinstance(y, int)
+            for n, s in x.items():
+                table[n] = s
+                caps[n] = s + y  # the node's full capacity, at least the share
+            ra = a.set_shares({n: s for n, s in table.items() if s}, caps)
+            rb = b.update_shares(dict(x), {n: caps[n] for n in x})
+        elif kind == "submit":
+            assert isinstance(x, int) and isinstance(y, RequestClass)
+            a.submit(x, y), b.submit(x, y)
+            ra, rb = a.last_changes, b.last_changes
+        else:
+            assert isinstance(x, int)
+            if not granted_a:
+                continue
+            ta, tb = granted_a.pop(x % len(granted_a)), granted_b.pop(x % len(granted_b))
+            ra, rb = a.release(ta), b.release(tb)
+        assert outcome(ra) == outcome(rb)
+        granted_a += [t for t in ra if t.state is G and not t.released]
+        granted_b += [t for t in rb if t.state is G and not t.released]
+        full.now += 0.01
+        inc.now += 0.01
+    sa, sb = a.snapshot(), b.snapshot()
+    assert sa == sb

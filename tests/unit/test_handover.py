@@ -37,6 +37,7 @@ def test_startup_holds_every_slot_until_an_engine_sample_one_grace_later() -> No
     assert dict(s.shares) == {"a": 0, "b": 0}
     assert dict(s.targets) == slice_shares(8, ["a", "b"], "d1")
     assert s.handover_pending
+    assert s.waits_for_engine  # only a sample can tell what the previous incarnation left running
     # A sample taken before the grace is over could miss a master still bound to the old agent.
     assert not s.on_probe(0, 0.5, 0.6, 2)
     assert s.snapshot()["orphans"] == {STARTUP: 8}
@@ -71,6 +72,8 @@ def test_join_grows_only_as_the_others_acknowledge_and_drain() -> None:
     assert sum(target.values()) == 8 and target["c"] > 0
     # Shrink at once, grow by nothing: a and b still run 4 each.
     assert s.share_for("c") == 0
+    # The others' Acks move a join on; the engine's count cannot (no need to sample it often).
+    assert s.handover_pending and not s.waits_for_engine
     assert s.share_for("a") == target["a"] and s.share_for("b") == target["b"]
     # a applied its lower grant but still runs 4: nothing is free yet.
     assert not s.on_ack("a", s.epoch, 4, 0, 2.2, 12)
@@ -94,6 +97,7 @@ def test_a_master_that_leaves_keeps_its_slots_until_the_engine_shows_them_free()
     assert s.tick(3.0, 12)  # grace over: b is out of the split
     assert s.share_for("a") == 4 and dict(s.targets) == {"a": 8}
     assert s.snapshot()["orphans"] == {"b": 4}
+    assert s.waits_for_engine
     # A sample started before b left proves nothing.
     assert not s.on_probe(4, 2.9, 3.1, 13)
     # The engine still runs 6 slots while a reports 4: 2 of b's may still run.
@@ -330,6 +334,7 @@ def test_a_draining_master_with_nothing_queued_leaves_the_split_and_its_slots_fo
     assert s.on_ack("b", s.epoch, 3, 0, 2.2, 12, draining=True)
     assert dict(s.targets) == {"a": 8}
     assert s.share_for("a") == 5
+    assert not s.waits_for_engine  # b is still connected: its Acks free its slots
     # The engine cannot tell whose requests run: an idle-looking sample does not free b's slots...
     assert not s.on_probe(4, 2.3, 2.4, 13)
     assert s.share_for("a") == 5
@@ -357,6 +362,7 @@ def test_a_drained_master_whose_stream_closes_keeps_its_leases_reserved_until_it
     assert s.snapshot()["orphans"] == {"b": 3}
     s.set_masters(["a"], 3.0, 12)  # its key is revoked at the drain timeout
     s.stream_down("b", 3.0, 13)
+    assert s.waits_for_engine  # b is gone: only the engine's count can free its slots now
     assert not s.on_probe(6, 3.05, 3.1, 14)
     assert s.snapshot()["orphans"] == {"b": 3}
     # Later (b has exited, its leases ended) a sample frees the slots.

@@ -86,3 +86,27 @@ def test_reconnect_after_drop_takes_new_epoch() -> None:
     assert s2 != s and node.share == 8 and r.capacity == 8
     r.disconnect("d1", s)  # the old stream's late cleanup must not hit the new one
     assert r.capacity == 8
+
+
+def test_change_listeners_hear_only_the_nodes_that_changed_with_their_capacity() -> None:
+    r = NodeRegistry(defer=lambda fn: None)  # batched: told at flush(), as before an Ack
+    _, s1 = reg(r, "d1", 8, (4, 10))
+    seen: list[dict[str, tuple[int, int]]] = []
+    r.subscribe_changes(lambda changes: seen.append(dict(changes)))
+    assert seen == [{"d1": (4, 8)}]  # at once: everything held now
+    _, s2 = reg(r, "d2", 6, (3, 10))
+    reg(r, "p1", 8, (8, 10), role=PREFILL)
+    assert r.apply_grant("d1", s1, 2, 11) is GrantResult.APPLIED
+    assert r.apply_grant("d1", s1, 2, 12) is GrantResult.APPLIED  # epoch only: nothing to tell
+    r.flush()
+    assert seen[-1] == {"d2": (3, 6), "d1": (2, 8)}
+    r.disconnect("d2", s2)
+    r.flush()
+    assert seen[-1] == {"d2": (0, 0)}
+    r.flush()  # nothing pending: no call
+    assert len(seen) == 3
+    # The same share on a node that came back with another capacity is a change too (400 vs 429).
+    r.disconnect("d1", s1)
+    reg(r, "d1", 4, (2, 20))
+    r.flush()
+    assert seen[-1] == {"d1": (2, 4)}
