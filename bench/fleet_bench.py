@@ -25,6 +25,7 @@ Writes bench/results/fleet.json (and fleet.png with --plot).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -166,6 +167,10 @@ class Fleet:
         out["masters"] = sum(cpu_seconds(self.cluster.masters[m].proc.pid) for m in self.live)
         assert self.etcd.pid is not None
         out["etcd"] = cpu_seconds(self.etcd.pid)
+        for m in self.live:
+            with contextlib.suppress(OSError):
+                for kind, n in messages(self.cluster.masters[m]).items():
+                    out[f"messages {m} {kind}"] = n
         return out
 
     def profile(self, sig: signal.Signals) -> None:
@@ -179,7 +184,17 @@ class Fleet:
         machine's core count means the time measured is the harness's CPU throughput, not the
         protocol's latency. A master killed in the transition is not in the masters' figure."""
         cpu1 = self.harness_cpu()
-        busy = {k: round((cpu1[k] - cpu0[k]) / wall, 2) if wall > 0 else 0.0 for k in cpu0}
+        busy = {
+            k: round((cpu1[k] - cpu0[k]) / wall, 2) if wall > 0 else 0.0
+            for k in ("agents", "masters", "etcd")
+        }
+        # Reports, Registers and Acks the live masters handled (a new master counts from its start).
+        by_kind: dict[str, float] = {}
+        for k, v in cpu1.items():
+            if k.startswith("messages "):
+                kind = k.split(" ", 2)[2]
+                by_kind[kind] = by_kind.get(kind, 0.0) + v - cpu0.get(k, 0.0)
+        n = len(self.specs)
         self.transitions.append(
             {
                 "what": what,
@@ -187,6 +202,8 @@ class Fleet:
                 "agent_cores_busy": busy["agents"],
                 "masters_cores_busy": busy["masters"],
                 "etcd_cores_busy": busy["etcd"],
+                "messages_per_node": round(sum(by_kind.values()) / n, 2),
+                "messages_per_node_by_kind": {k: round(v / n, 2) for k, v in sorted(by_kind.items())},
             }
         )
 
@@ -270,10 +287,18 @@ class Fleet:
         }
 
 
+def logs_dir(args: argparse.Namespace, tmp: str) -> Path:
+    """Where the processes' logs go: kept in ``--log-dir`` when given, else deleted with the run."""
+    return Path(args.log_dir) if args.log_dir else Path(tmp) / "logs"
+
+
 def run_fleet(args: argparse.Namespace) -> dict[str, Any]:
     counts = sorted({int(c) for c in args.masters.split(",")})
     out: dict[str, Any] = {"nodes": args.nodes, "per_swarm": args.per_swarm, "by_masters": {}}
-    with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp, ProcessGroup(Path(tmp) / "logs") as group:
+    with (
+        tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp,
+        ProcessGroup(logs_dir(args, tmp)) as group,
+    ):
         etcd = LocalEtcd(data_dir=f"{tmp}/etcd", log_path=f"{tmp}/etcd.log", log_level="warn").start()
         try:
             fleet = Fleet(args, group, etcd)
@@ -349,7 +374,10 @@ def idle_engine() -> str:
 
 
 def run_processes(args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="fleet-procs-") as tmp, ProcessGroup(Path(tmp) / "logs") as group:
+    with (
+        tempfile.TemporaryDirectory(prefix="fleet-procs-") as tmp,
+        ProcessGroup(logs_dir(args, tmp)) as group,
+    ):
         etcd = LocalEtcd(data_dir=f"{tmp}/etcd", log_path=f"{tmp}/etcd.log", log_level="warn").start()
         try:
             fleet = Fleet(args, group, etcd)
@@ -402,7 +430,10 @@ def run_etcd_late(args: argparse.Namespace) -> dict[str, Any]:
     """Masters and agents started while nothing listens on the etcd port; etcd comes up later."""
     from pdcoord.dev.netutil import free_port
 
-    with tempfile.TemporaryDirectory(prefix="fleet-late-") as tmp, ProcessGroup(Path(tmp) / "logs") as group:
+    with (
+        tempfile.TemporaryDirectory(prefix="fleet-late-") as tmp,
+        ProcessGroup(logs_dir(args, tmp)) as group,
+    ):
         etcd = LocalEtcd(free_port(), free_port(), data_dir=f"{tmp}/etcd", log_path=f"{tmp}/etcd.log")
         try:
             fleet = Fleet(args, group, etcd)
@@ -483,6 +514,7 @@ def main() -> None:
         default="",
         help="write a cProfile of every swarm process for every transition (join, SIGKILL) here",
     )
+    p.add_argument("--log-dir", default="", help="keep every process's log here")
     p.add_argument("--label", default="", help="stored with the results (e.g. before/after)")
     p.add_argument("--out", default=str(RESULTS / "fleet.json"))
     p.add_argument("--plot", action="store_true")

@@ -53,6 +53,8 @@ MIN_REPORT_GAP_S = 0.05
 PERSIST_MIN_GAP_S = 1.0
 NODE_VALUE_MIN_GAP_S = 10.0
 CHANNEL_READY_WAIT_S = 5.0
+# Ask a master for an Ack again when its answer to the last report has not come for this long.
+UNANSWERED_REPOLL_S = 5.0
 
 
 class StartupError(Exception):
@@ -165,9 +167,10 @@ class NodeAgent:
         """Write the newest epoch to etcd, coalesced; a restarted agent starts above it.
 
         Two keys: the epoch key (no lease: it outlives the agent) guards a clock that steps back
-        across a restart, written at most once a second; ``last_epoch`` in the node's registration
-        is for operators reading etcd and lags by up to ``NODE_VALUE_MIN_GAP_S``. Writing both on
-        every change put two writes a second per node on etcd during a thousand-node join.
+        across a restart, written a second after a change (coalescing a transition's steps);
+        ``last_epoch`` in the node's registration is for operators reading etcd and lags by up to
+        ``NODE_VALUE_MIN_GAP_S``. Writing both on every change put two writes a second per node on
+        etcd during a thousand-node join.
         """
         backoff, outage = Backoff(), Outage(log, "persisting the epoch")
         value_epoch, value_at = 0, -NODE_VALUE_MIN_GAP_S
@@ -187,6 +190,13 @@ class NodeAgent:
                 continue
             try:
                 if key_due:
+                    # One write per transition, a second after its first step: a join or failover
+                    # moves every node's epoch two or three times within a second, and a thousand
+                    # nodes writing each step is etcd's busiest moment. Epochs follow time_ns, so a
+                    # restart starts above an epoch not yet written anyway; the key guards a clock
+                    # that steps back.
+                    await asyncio.sleep(PERSIST_MIN_GAP_S)
+                    epoch, now = self.slicer.epoch, time.monotonic()
                     await self.etcd.put(self.keys.epoch(self.cfg.node_id), str(epoch))
                     self._persisted_epoch = epoch
                 if self.registration is not None and value_due and now >= value_at + NODE_VALUE_MIN_GAP_S:
@@ -194,12 +204,6 @@ class NodeAgent:
                     value_epoch, value_at = epoch, now
                 outage.recovered()
                 backoff.reset()
-                # At most one epoch write per second: a join or failover moves every node's epoch
-                # once or twice within milliseconds, and a thousand nodes writing each step is
-                # etcd's busiest moment. Epochs follow time_ns, so a restart (which takes longer
-                # than this) starts above an epoch not yet written anyway; the key guards a clock
-                # that steps back.
-                await asyncio.sleep(PERSIST_MIN_GAP_S)
             except EtcdError as exc:
                 outage.failed(exc)
                 await asyncio.sleep(backoff.next())
@@ -335,7 +339,7 @@ class NodeAgent:
                 first = await call.read()
                 if first is grpc.aio.EOF:
                     raise ConnectionError("master closed the stream before acknowledging Register")
-                link.last_ack = first.ack
+                link.last_ack, link.acked_at = first.ack, time.monotonic()
                 link.call, link.connected = call, True
                 backoff.reset()
                 outage.recovered()
@@ -459,8 +463,12 @@ class NodeAgent:
         the masters during every join and failover, which slowed the handover it waited for."""
         if not link.connected:
             return False
-        if link.acked_at < link.reported_at and now - link.reported_at < 1.0:
-            return False  # the previous poll is unanswered (a busy master): do not pile on
+        if link.acked_at < link.reported_at and now - link.reported_at < UNANSWERED_REPOLL_S:
+            # The previous report is unanswered: a busy master, or a busy agent that has not read
+            # the answer yet. A live stream loses nothing, so its Ack is coming; asking again
+            # only adds work where there is too much already (at 1 s, starved agents in a
+            # thousand-node join sent twice the messages the join needs).
+            return False
         ack = link.last_ack
         if ack is None:
             return True

@@ -121,10 +121,14 @@ class LoadProbe:
     """Samples the engine's load from the first of ``urls`` that answers with one, and stays with it
     while it works. ``signal`` names the source in use ("" before the first sample, "none" when no
     source answered: strict handover then frees a crashed master's slots only after
-    ``--orphan-timeout``); ``problems`` says why each source was passed over."""
+    ``--orphan-timeout``); ``problems`` says why each source was passed over.
+
+    ``timeout`` is generous on purpose: a sample counts from when it was started, so a slow answer
+    (an engine's ``/metrics`` under heavy load) is still a valid sample, while a request cut off by
+    its timeout is no sample at all and costs a new connection for the next one."""
 
     def __init__(
-        self, urls: str | Sequence[str], session: aiohttp.ClientSession, timeout: float = 0.5
+        self, urls: str | Sequence[str], session: aiohttp.ClientSession, timeout: float = 2.0
     ) -> None:
         self.urls = (urls,) if isinstance(urls, str) else tuple(urls)
         if not self.urls:

@@ -113,6 +113,12 @@ def next_epoch(previous: int, time_ns: int, stored: int = 0) -> int:
 
 # Shortest time the split stays even after a master joins (see Slicer.join_prior_s).
 JOIN_PRIOR_MIN_S = 5.0
+# How long a master that just appeared in etcd stays in the split before its stream first comes up.
+# Longer than the grace for a stream that went down: when a master starts, a thousand agents connect
+# to it at once, and dropping it from the split after one second and adding it back when the stream
+# is up doubled the messages of a join (each membership change goes to every master). A master that
+# never connects (a wrong advertised address) keeps its share idle for this long, then leaves.
+FIRST_CONNECT_MIN_S = 5.0
 
 HANDOVER_MODES = ("strict", "fast")
 SHARE_POLICIES = ("static", "demand")
@@ -147,6 +153,8 @@ class MasterView:
     connected: bool = False
     # When the stream went down (monotonic seconds); None while connected or never connected.
     down_since: float | None = None
+    # It (re)appeared in etcd and its stream has not come up since: it gets FIRST_CONNECT_MIN_S.
+    fresh: bool = False
 
 
 @dataclass
@@ -205,6 +213,7 @@ class Slicer:
                 # A master that (re)appears in etcd gets a fresh grace window for its stream.
                 if not view.connected:
                     view.down_since = now
+                    view.fresh = True
         for mid, view in list(self.views.items()):
             if mid not in wanted:
                 view.in_etcd = False
@@ -217,6 +226,7 @@ class Slicer:
         view = self.views.setdefault(master_id, MasterView())
         view.connected = True
         view.down_since = None
+        view.fresh = False
         self._last_up[master_id] = now
         self._draining.discard(master_id)  # a draining master takes no new streams: a new process
         return self._recompute(now, time_ns)
@@ -281,10 +291,13 @@ class Slicer:
         self.epoch = max(self.epoch, stored)
 
     # -- views --------------------------------------------------------------------------------
+    def _window(self, view: MasterView) -> float:
+        return max(self.policy.grace, FIRST_CONNECT_MIN_S) if view.fresh else self.policy.grace
+
     def next_grace_deadline(self) -> float | None:
         """When the next grace window ends (so the caller can wake exactly then)."""
         deadlines = [
-            v.down_since + self.policy.grace
+            v.down_since + self._window(v)
             for v in self.views.values()
             if v.in_etcd and not v.connected and v.down_since is not None
         ]
@@ -304,7 +317,7 @@ class Slicer:
                 continue
             if mid in self._draining:
                 continue
-            if v.connected or (v.down_since is not None and now - v.down_since < self.policy.grace):
+            if v.connected or (v.down_since is not None and now - v.down_since < self._window(v)):
                 out.append(mid)
         return tuple(sorted(out))
 

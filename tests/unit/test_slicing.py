@@ -8,7 +8,14 @@ import string
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nodeagent.slicing import SharePolicy, Slicer, next_epoch, rotation_start, slice_shares
+from nodeagent.slicing import (
+    FIRST_CONNECT_MIN_S,
+    SharePolicy,
+    Slicer,
+    next_epoch,
+    rotation_start,
+    slice_shares,
+)
 
 ids = st.text(alphabet=string.ascii_lowercase + string.digits + "-", min_size=1, max_size=12)
 
@@ -83,13 +90,22 @@ def test_slicer_grace_excludes_a_dead_stream_after_grace_only() -> None:
     assert sum(s.shares.values()) == 8
 
 
-def test_slicer_new_master_gets_grace_then_drops_if_it_never_connects() -> None:
+def test_slicer_new_master_gets_a_first_connect_window_then_drops_if_it_never_connects() -> None:
     s = Slicer(node_id="d1", capacity=5, policy=SharePolicy(grace=1.0, handover="fast"))
     s.set_masters(["m1"], 0.0, 1)
     s.stream_up("m1", 0.0, 2)
     assert s.set_masters(["m1", "m2"], 1.0, 3)
     assert s.share_for("m2") > 0
-    assert s.tick(2.0, 4)
+    # Longer than the grace of a stream that went down: a new master takes a fleet's connections at once.
+    assert not s.tick(2.5, 4)
+    assert s.next_grace_deadline() == 1.0 + FIRST_CONNECT_MIN_S
+    assert s.tick(1.0 + FIRST_CONNECT_MIN_S, 5)
+    assert dict(s.shares) == {"m1": 5}
+    # Once it has connected, a lost stream gets the ordinary grace.
+    s.stream_up("m2", 7.0, 6)
+    s.stream_down("m2", 8.0, 7)
+    assert s.share_for("m2") > 0
+    assert s.tick(9.0, 8)
     assert dict(s.shares) == {"m1": 5}
 
 
