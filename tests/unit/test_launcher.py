@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -257,3 +258,16 @@ def _comm(pid: int) -> str:
             return f.read().strip()
     except FileNotFoundError:
         return ""
+
+
+def test_free_ports_are_distinct_bindable_and_never_ephemeral() -> None:
+    """An outgoing connection's source port comes from the ephemeral range: a port picked there can
+    be taken before the server binds it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    if low > 21_000:
+        assert all(p < low for p in ports), sorted(p for p in ports if p >= low)
+    for port in ports[:20]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
