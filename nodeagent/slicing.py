@@ -44,13 +44,18 @@ def slice_shares(capacity: int, masters: Iterable[str], node_id: str) -> dict[st
     return shares
 
 
-def demand_shares(capacity: int, demands: Mapping[str, int], node_id: str, floor: int = 1) -> dict[str, int]:
+def demand_shares(
+    capacity: int, demands: Mapping[str, int], node_id: str, floor: int = 1, top_up: bool = False
+) -> dict[str, int]:
     """Split ``capacity`` by demand: a floor for every master, then max-min fair by demand.
 
     Every master first gets ``min(floor, capacity // M)``. The rest is water-filled over what each
     wants beyond its floor (nobody gets more than it asks while another still waits), and slots that
     nobody asks for are spread evenly with :func:`slice_shares`, so the node stays work-conserving:
-    an idle burst finds headroom on every master. Deterministic; the shares sum to ``capacity``.
+    an idle burst finds headroom on every master. With ``top_up`` those slots first raise every
+    master towards its even share (largest shortfall first), which makes the split exactly the even
+    one when only some masters ask for their even share (a join window on an idle node).
+    Deterministic; the shares sum to ``capacity``.
     """
     if capacity < 0:
         raise ValueError("capacity must be >= 0")
@@ -86,6 +91,12 @@ def demand_shares(capacity: int, demands: Mapping[str, int], node_id: str, floor
                 shares[j] += level
                 need[j] -= level
             rest -= level * len(pending)
+    if top_up and rest > 0:
+        even = slice_shares(capacity, ordered, node_id)
+        for k in sorted(ordered, key=lambda k: (shares[k] - even[k], k)):
+            give = min(rest, max(0, even[k] - shares[k]))
+            shares[k] += give
+            rest -= give
     for k, v in slice_shares(rest, ordered, node_id).items():
         shares[k] += v
     return shares
@@ -363,7 +374,7 @@ class Slicer:
     # -- core ---------------------------------------------------------------------------------
     @property
     def join_prior_s(self) -> float:
-        """How long after a master joins the split the node splits evenly, as the static policy does.
+        """How long after a master joins the split its demand counts as at least its even share.
 
         A new master has no queue yet, but a load balancer is about to send it its part of the
         clients (readiness probes run every few seconds). Starting it at the floor would cap its
@@ -372,26 +383,30 @@ class Slicer:
         """
         return max(JOIN_PRIOR_MIN_S, 3 * self.policy.rebalance_interval)
 
-    def _demands(self, members: tuple[str, ...], now: float) -> dict[str, int]:
+    def _ideal(self, members: tuple[str, ...], now: float) -> dict[str, int]:
+        """The demand split now. A master in its join window wants at least its even share; the
+        others keep following what they report (an idle one still gives its slots to a busy one
+        meanwhile), and while a window is open the slots nobody asks for top the others up towards
+        their even shares, so an idle node splits exactly evenly (see :func:`demand_shares`)."""
         hs = self._ho.holders
-        out = {m: (hs[m].demand if m in hs else 0) for m in members}
-        if any(now < self._joined.get(m, now) + self.join_prior_s for m in members):
-            # Every member wants at least its even share: max-min fairness then gives exactly the
-            # even split (no slot is left over to follow anyone's larger demand).
+        demands = {m: (hs[m].demand if m in hs else 0) for m in members}
+        new = [m for m in members if now < self._joined.get(m, now) + self.join_prior_s]
+        if new:
             even = slice_shares(self.capacity, members, self.node_id)
-            out = {m: max(d, even[m]) for m, d in out.items()}
-        return out
+            for m in new:
+                demands[m] = max(demands[m], even[m])
+        return demand_shares(self.capacity, demands, self.node_id, self.policy.floor, top_up=bool(new))
 
     def _compute_targets(self, members: tuple[str, ...], now: float, reset: bool) -> dict[str, int]:
         if self.policy.policy == "static":
             return slice_shares(self.capacity, members, self.node_id)
         if reset or set(self._targets) != set(members):
             self._next_rebalance = now + self.policy.rebalance_interval
-            return demand_shares(self.capacity, self._demands(members, now), self.node_id, self.policy.floor)
+            return self._ideal(members, now)
         if now < self._next_rebalance:
             return self._targets
         self._next_rebalance = now + self.policy.rebalance_interval
-        ideal = demand_shares(self.capacity, self._demands(members, now), self.node_id, self.policy.floor)
+        ideal = self._ideal(members, now)
         if (
             max((abs(ideal[m] - self._targets.get(m, 0)) for m in members), default=0)
             < self.policy.rebalance_hysteresis
