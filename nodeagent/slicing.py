@@ -200,7 +200,8 @@ class Slicer:
     _last_up: dict[str, float] = field(default_factory=dict)
     # Masters whose last Ack said they drain with nothing queued: out of the split.
     _draining: set[str] = field(default_factory=set)
-    # When each member joined the split (demand: the node splits evenly for a while after a join).
+    # When each member joined the split (demand: for a while after its join a master counts as
+    # wanting at least its even share).
     _joined: dict[str, float] = field(default_factory=dict)
     _ho: Handover = field(init=False)
 

@@ -370,3 +370,18 @@ def test_a_drained_master_whose_stream_closes_keeps_its_leases_reserved_until_it
     assert s.on_probe(3, 4.1, 4.2, 16)
     assert s.snapshot()["orphans"] == {}
     assert s.share_for("a") == 8
+
+
+def test_demand_join_window_lifts_only_the_newcomer() -> None:
+    """While c is in its join window it counts as wanting its even share; an idle a still yields
+    its slots to a busy b (the window does not freeze the node at the even split)."""
+    s = started(90, ["a", "b"], policy="demand", rebalance_interval=1.0)
+    t = s.join_prior_s + 1.0
+    s.on_ack("a", s.epoch, 0, 0, t, 10)
+    s.on_ack("b", s.epoch, 45, 100, t, 10)
+    joined = t + 0.5
+    s.set_masters(["a", "b", "c"], joined, 11)
+    s.stream_up("c", joined, 11)
+    targets = dict(s.targets)
+    assert targets["c"] == 30 and targets["a"] < 30 and targets["b"] > 30
+    assert sum(targets.values()) == 90
