@@ -152,7 +152,6 @@ class NodeRegistry:
         self._listeners: list[SharesListener] = []
         self._left_listeners: list[LeftListener] = []
         self._decode_shares: dict[str, int] = {}
-        self._decode_full: dict[str, int] = {}
         self._change_listeners: list[ShareChangesListener] = []
         self._changes: dict[str, tuple[int, int]] = {}
         self.stale_total = 0
@@ -176,10 +175,11 @@ class NodeRegistry:
 
     def subscribe_changes(self, listener: ShareChangesListener) -> None:
         """Call ``listener(changes)`` now with every decode share, then with the nodes whose share
-        (or capacity) changed since the previous call: O(changes) per batch, where ``subscribe``
-        copies all shares each time (a join moves every node's share, in many small batches)."""
+        changed since the previous call: O(changes) per batch, where ``subscribe`` copies all shares
+        each time (a join moves every node's share, in many small batches)."""
         self._change_listeners.append(listener)
-        listener({n: (s, self._decode_full[n]) for n, s in self._decode_shares.items()})
+        nodes = self.nodes
+        listener({n: (s, nodes[n].running_max_req_size) for n, s in self._decode_shares.items()})
 
     def on_node_left(self, listener: LeftListener) -> None:
         """Call ``listener(node_id, role)`` whenever a node leaves the live set (stream gone, share 0)."""
@@ -210,17 +210,17 @@ class NodeRegistry:
             for left in self._left_listeners:
                 left(node_id, was)
         share = node.effective_share if node is not None and role == DECODE else 0
-        full = node.running_max_req_size if share and node is not None else 0
         old = self._decode_shares.get(node_id, 0)
-        if share == old and self._decode_full.get(node_id, 0) == full:
-            return  # epoch-only or load-only changes never disturb admission
+        if share == old:
+            # Epoch-only or load-only changes never disturb admission. (A node's capacity changes only
+            # with a new Register, after its old stream dropped the share to 0: a change already.)
+            return
         if share:
             self._decode_shares[node_id] = share
-            self._decode_full[node_id] = full
         else:
             del self._decode_shares[node_id]
-            del self._decode_full[node_id]
         self._capacity += share - old
+        full = node.running_max_req_size if share and node is not None else 0
         self._changes[node_id] = (share, full)
         if self._defer is None:
             self._notify()

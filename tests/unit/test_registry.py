@@ -105,7 +105,7 @@ def test_change_listeners_hear_only_the_nodes_that_changed_with_their_capacity()
     assert seen[-1] == {"d2": (0, 0)}
     r.flush()  # nothing pending: no call
     assert len(seen) == 3
-    # The same share on a node that came back with another capacity is a change too (400 vs 429).
+    # A node that comes back with another capacity: admission must hear the new one (400 vs 429).
     r.disconnect("d1", s1)
     reg(r, "d1", 4, (2, 20))
     r.flush()
