@@ -156,8 +156,7 @@ class Handover:
             return  # an orphan newer than the sample: the sample may predate its leases ending
         live = sum(h.active for h in self.holders.values())
         cap = max(0, running - live)
-        near = set(reachable)
-        candidates = sorted(m for m in self.orphans if m not in near)
+        candidates = self._releasable(reachable)
         total = sum(self.orphans[m].slots for m in candidates)
         for mid in candidates:
             if total <= cap:
@@ -230,10 +229,15 @@ class Handover:
                 (e0, s0), (_, s1) = h.issued[0], h.issued[1]
                 h.issued[:2] = [(e0, max(s0, s1))]
 
+    def _releasable(self, reachable: Iterable[str]) -> list[str]:
+        """Orphans an engine sample may release: those of masters no longer reachable (a reachable
+        one's own Acks are exact), in a fixed order."""
+        near = set(reachable)
+        return sorted(m for m in self.orphans if m not in near)
+
     def waits_for_sample(self, reachable: Iterable[str]) -> bool:
         """Some reserved slots can be released only by an engine sample (see :meth:`probe`)."""
-        near = set(reachable)
-        return any(m not in near for m in self.orphans)
+        return bool(self._releasable(reachable))
 
     def pending(self, targets: Mapping[str, int], grants: Mapping[str, int]) -> bool:
         return any(grants.get(m, 0) < t for m, t in targets.items())

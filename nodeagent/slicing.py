@@ -122,7 +122,7 @@ def next_epoch(previous: int, time_ns: int, stored: int = 0) -> int:
     return max(previous + 1, time_ns, stored + 1)
 
 
-# Shortest time the split stays even after a master joins (see Slicer.join_prior_s).
+# Shortest time a master that joined counts as wanting at least its even share (Slicer.join_prior_s).
 JOIN_PRIOR_MIN_S = 5.0
 # How long a master that just appeared in etcd stays in the split before its stream first comes up.
 # Longer than the grace for a stream that went down: when a master starts, a thousand agents connect
@@ -284,7 +284,7 @@ class Slicer:
 
     def on_probe(self, running: int | None, taken_at: float, now: float, time_ns: int) -> bool:
         """The engine's running count from a sample started at ``taken_at`` (None: probe failed)."""
-        self._ho.probe(running, taken_at, [m for m, v in self.views.items() if v.connected])
+        self._ho.probe(running, taken_at, self._reachable())
         return self._recompute(now, time_ns)
 
     def set_capacity(self, capacity: int, now: float, time_ns: int) -> bool:
@@ -353,10 +353,10 @@ class Slicer:
         """A master waits for slots that only an engine sample can free: those of a master that is
         gone (or of the agent's previous incarnation). Only then is sampling the engine often worth
         it; a join or a drain moves on by the masters' own Acks."""
-        if not self.handover_pending:
-            return False
-        reachable = [m for m, v in self.views.items() if v.connected]
-        return self._ho.waits_for_sample(reachable)
+        return self.handover_pending and self._ho.waits_for_sample(self._reachable())
+
+    def _reachable(self) -> list[str]:
+        return [m for m, v in self.views.items() if v.connected]
 
     def share_for(self, master_id: str) -> int:
         return self._shares.get(master_id, 0)
