@@ -153,8 +153,8 @@ def build_parser() -> EnvArgumentParser:
         choices=["static", "demand"],
         default="static",
         help="static (default): an even split among live masters; demand: follow what masters run and "
-        "queue (active + wanted slots), with a floor, hysteresis and a bounded step (even for the first "
-        "5 s after a master joins; see bench/README.md for why it is not the default yet)",
+        "queue (active + wanted slots), with a floor, hysteresis and a bounded step (a master that joins "
+        "counts as wanting its even share for 5 s; see bench/README.md for why it is not the default yet)",
     )
     g.add_argument(
         "--share-floor",
