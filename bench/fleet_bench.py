@@ -161,17 +161,21 @@ class Fleet:
         self._next_master += 1
         return mid
 
-    def harness_cpu(self) -> dict[str, float]:
-        """CPU-seconds so far of the agent processes, the live masters and etcd."""
-        out = {"agents": sum(cpu_seconds(s.pid) for s in self.swarms)}
-        out["masters"] = sum(cpu_seconds(self.cluster.masters[m].proc.pid) for m in self.live)
+    def counters(self) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+        """CPU-seconds so far of the agent processes, the live masters and etcd; and the messages
+        each live master has counted so far, by (master, kind)."""
         assert self.etcd.pid is not None
-        out["etcd"] = cpu_seconds(self.etcd.pid)
+        cpu = {
+            "agents": sum(cpu_seconds(s.pid) for s in self.swarms),
+            "masters": sum(cpu_seconds(self.cluster.masters[m].proc.pid) for m in self.live),
+            "etcd": cpu_seconds(self.etcd.pid),
+        }
+        msgs: dict[tuple[str, str], float] = {}
         for m in self.live:
             with contextlib.suppress(OSError):
                 for kind, n in messages(self.cluster.masters[m]).items():
-                    out[f"messages {m} {kind}"] = n
-        return out
+                    msgs[m, kind] = n
+        return cpu, msgs
 
     def profile(self, sig: signal.Signals) -> None:
         """Bracket a transition with the swarms' profiler (``--profile-dir``)."""
@@ -179,21 +183,18 @@ class Fleet:
             for s in self.swarms:
                 os.kill(s.pid, sig)
 
-    def note_transition(self, what: str, wall: float, cpu0: dict[str, float]) -> None:
+    def note_transition(
+        self, what: str, wall: float, before: tuple[dict[str, float], dict[tuple[str, str], float]]
+    ) -> None:
         """How busy the agent processes (and the masters, etcd) were during a transition: near the
         machine's core count means the time measured is the harness's CPU throughput, not the
         protocol's latency. A master killed in the transition is not in the masters' figure."""
-        cpu1 = self.harness_cpu()
-        busy = {
-            k: round((cpu1[k] - cpu0[k]) / wall, 2) if wall > 0 else 0.0
-            for k in ("agents", "masters", "etcd")
-        }
+        (cpu0, msgs0), (cpu1, msgs1) = before, self.counters()
+        busy = {k: round((cpu1[k] - cpu0[k]) / wall, 2) if wall > 0 else 0.0 for k in cpu1}
         # Reports, Registers and Acks the live masters handled (a new master counts from its start).
         by_kind: dict[str, float] = {}
-        for k, v in cpu1.items():
-            if k.startswith("messages "):
-                kind = k.split(" ", 2)[2]
-                by_kind[kind] = by_kind.get(kind, 0.0) + v - cpu0.get(k, 0.0)
+        for (m, kind), v in msgs1.items():
+            by_kind[kind] = by_kind.get(kind, 0.0) + v - msgs0.get((m, kind), 0.0)
         n = len(self.specs)
         self.transitions.append(
             {
@@ -210,7 +211,7 @@ class Fleet:
     def add_master(self, timeout: float = 60.0) -> float:
         mid = self.new_master_id()
         self.profile(signal.SIGUSR1)
-        cpu0 = self.harness_cpu()
+        before = self.counters()
         t0 = time.monotonic()
         self.cluster.start_master(mid)
         self.live.append(mid)
@@ -220,7 +221,7 @@ class Fleet:
         took = time.monotonic() - t0
         self.profile(signal.SIGUSR2)
         if self.swarms:
-            self.note_transition(f"join {mid}", took, cpu0)
+            self.note_transition(f"join {mid}", took, before)
         return took if math.isfinite(held) else math.inf
 
     def start_swarms(self, wait: bool = True) -> float:
@@ -242,13 +243,13 @@ class Fleet:
         self.live.remove(victim)
         proc = self.cluster.masters[victim].proc
         self.profile(signal.SIGUSR1)
-        cpu0 = self.harness_cpu()
+        before = self.counters()
         t0 = time.monotonic()
         proc.kill()
         held = self.wait_all_hold(list(self.live), sorted(self.live), 60.0)
         took = time.monotonic() - t0
         self.profile(signal.SIGUSR2)
-        self.note_transition(f"SIGKILL {victim}", took, cpu0)
+        self.note_transition(f"SIGKILL {victim}", took, before)
         return took if math.isfinite(held) else math.inf
 
     def steady(self, window: float) -> dict[str, Any]:

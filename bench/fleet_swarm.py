@@ -102,20 +102,20 @@ async def run(args: argparse.Namespace) -> None:
 def _profile_on_signals(loop: asyncio.AbstractEventLoop, out: Path, name: str) -> None:
     """SIGUSR1 starts a profile of the event loop's thread, SIGUSR2 writes it (``<name>-<k>.pstats``):
     the benchmark brackets one transition with them, so the profile holds that transition alone."""
-    state: dict[str, object] = {"k": 0, "prof": None}
+    running: list[cProfile.Profile] = []
+    written = 0
 
     def start() -> None:
-        prof = cProfile.Profile()
-        prof.enable()
-        state["prof"] = prof
+        running.append(cProfile.Profile())
+        running[-1].enable()
 
     def dump() -> None:
-        prof = state["prof"]
-        if isinstance(prof, cProfile.Profile):
+        nonlocal written
+        if running:
+            prof = running.pop()
             prof.disable()
-            k = int(str(state["k"]))
-            prof.dump_stats(out / f"{name}-{k:02d}.pstats")
-            state["k"], state["prof"] = k + 1, None
+            prof.dump_stats(out / f"{name}-{written:02d}.pstats")
+            written += 1
 
     out.mkdir(parents=True, exist_ok=True)
     loop.add_signal_handler(signal.SIGUSR1, start)
