@@ -469,6 +469,8 @@ class AdmissionCore:
         self._ver = 0
         self._free_heap: list[tuple[int, str, int]] = []  # (-free, node, ver)
         self._capacity = 0
+        self._full_total = 0  # Σ full capacity of the nodes this master holds a share on
+        self._masters = 0  # live masters in the cluster (0: unknown)
         self._bound = 0
         self._budget = 0
         self._max_share = 0
@@ -538,6 +540,7 @@ class AdmissionCore:
             "capacity": self._capacity,
             "active": self._active_total,
             "queue_bound_slots": self._bound,
+            "masters": self._masters,
             "queued_requests": self._queued_n,
             "queued_slots": self._queued_slots,
             "wanted_slots": self._queued_slots,
@@ -602,6 +605,27 @@ class AdmissionCore:
         _check_shares(changes)
         return self._apply_shares({n: int(s) for n, s in changes.items()}, node_capacity)
 
+    def set_masters(self, masters: int) -> None:
+        """How many masters share the fleet (0: unknown). See :meth:`_queue_bound`."""
+        if masters < 0:
+            raise ValueError(f"masters must be >= 0, got {masters!r}")
+        self._masters = int(masters)
+        # A smaller bound refuses new arrivals; what is queued stays (it was accepted).
+        self._bound = self._queue_bound()
+
+    def _queue_bound(self) -> int:
+        """``queue_waves`` times the larger of the capacity held and this master's even part of it.
+
+        Under a demand split the share a master holds follows the demand it reports (running +
+        queued). A bound on the share alone would close that loop: a master whose share fell could
+        queue only about what it holds, refuse the rest and so never report the demand that would
+        win its share back. Its even part (the full capacity of its nodes ÷ the live masters) keeps
+        the queue as long as a static split would, whatever the demand split holds right now.
+        """
+        held = self._capacity
+        even = self._full_total // self._masters if self._masters else 0
+        return math.floor(self.policy.queue_waves * max(held, even) + 1e-9)
+
     def _apply_shares(
         self, changes: Mapping[str, int], node_capacity: Mapping[str, int] | None
     ) -> list[Ticket]:
@@ -610,10 +634,12 @@ class AdmissionCore:
             old_full = self._full.pop(node, None)
             if old_full is not None:
                 _uncount(self._full_counts, old_full)
+                self._full_total -= old_full
             if s > 0:
                 full = max(int(node_capacity.get(node, s)) if node_capacity else s, s)
                 self._full[node] = full
                 self._full_counts[full] = self._full_counts.get(full, 0) + 1
+                self._full_total += full
             old = self._shares.get(node, 0)
             if old == s:
                 continue
@@ -629,7 +655,7 @@ class AdmissionCore:
         self._max_full = max(self._full_counts, default=0)
         if not moved:
             return self._end()
-        self._bound = math.floor(self.policy.queue_waves * self._capacity + 1e-9)
+        self._bound = self._queue_bound()
         self._budget = math.floor(self.policy.backfill_waves * self._capacity + 1e-9)
         self._max_share = max(self._share_counts, default=0)
         if not self._bypass and self._queued_n:

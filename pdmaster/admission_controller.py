@@ -254,6 +254,10 @@ class AdmissionController:
         """The shares of the nodes in ``changes`` only (0: no new work there); O(len(changes))."""
         self._apply(self.core.update_shares(changes, node_capacity))
 
+    def set_masters(self, masters: int) -> None:
+        """How many masters share the fleet (0: unknown): the queue bound's floor, see the core."""
+        self.core.set_masters(masters)
+
     def promote_session(self, session_id: str) -> None:
         self._apply(self.core.promote_session(session_id))
 
@@ -413,7 +417,11 @@ def add_admission_flags(parser: argparse.ArgumentParser) -> None:
         "--admission-max-wait", type=_weights, default="30:15:5", help="wait timeouts CONT:PROB:COLD, seconds"
     )
     g.add_argument(
-        "--admission-queue-waves", type=_non_negative_float, default=1.0, help="queue bound, decode waves"
+        "--admission-queue-waves",
+        type=_non_negative_float,
+        default=1.0,
+        help="queue bound, in decode waves of the larger of the capacity held and the fleet's "
+        "capacity ÷ the live masters",
     )
     g.add_argument(
         "--admission-backfill-waves",

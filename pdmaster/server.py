@@ -17,11 +17,11 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from pdcoord import __version__
-from pdcoord.etcd import EtcdClient
+from pdcoord.etcd import EtcdClient, EtcdError
 from pdcoord.gctuning import tune_gc
 from pdcoord.keys import Keys
 from pdcoord.registration import AlreadyRegistered, Registration
-from pdcoord.retry import register_with_retry
+from pdcoord.retry import Outage, register_with_retry
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
 from pdmaster.admission_controller import AdmissionController
 from pdmaster.api import ControlRoutes, OpenAIRoutes, api_key_middleware, harden_aiohttp, load_api_keys
@@ -36,6 +36,10 @@ from pdmaster.registry import DECODE, NodeRegistry, ShareChanges
 from pdmaster.routing import POLICIES, Router
 
 log = logging.getLogger(__name__)
+
+# How often a master counts the live masters in etcd (the floor of its admission queue bound, see
+# AdmissionCore._queue_bound): one small range read; a count a few seconds old only moves a bound.
+MASTERS_POLL_S = 2.0
 
 # Keep-alive so a silently cut agent stream is noticed within 0.9 s even when it sends nothing (a
 # ping after 0.65 s without reading anything, 0.25 s to answer): below the agents' default --grace
@@ -124,6 +128,7 @@ class MasterServer:
         self.http_port = 0
         self.admin_port = 0
         self._stop = asyncio.Event()
+        self._count_task: asyncio.Task[None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _on_shares(self, changes: ShareChanges) -> None:
@@ -287,6 +292,7 @@ class MasterServer:
             cfg.etcd.cluster,
             f"{len(self.api_keys)} API key(s)" if self.api_keys else "open API (no API keys)",
         )
+        self._count_task = asyncio.create_task(self._count_masters(), name="count-masters")
         tune_gc()  # start-up is done: what it allocated is never scanned again
         print(
             f"pdmaster ready master_id={self.master_id} "
@@ -294,6 +300,18 @@ class MasterServer:
             + (f" admin_port={self.admin_port}" if cfg.separate_admin else ""),
             flush=True,
         )
+
+    async def _count_masters(self) -> None:
+        outage = Outage(log, "counting the masters in etcd", level=logging.INFO)
+        while True:
+            try:
+                kvs, _ = await self.etcd.get_prefix(self.keys.masters_prefix)
+            except EtcdError as exc:
+                outage.failed(exc)  # the last count stays
+            else:
+                outage.recovered()
+                self.admission.set_masters(len(kvs))
+            await asyncio.sleep(MASTERS_POLL_S)
 
     async def drain(self) -> None:
         """Stop taking new work, let in-flight requests finish, then give the shares back."""
@@ -307,6 +325,8 @@ class MasterServer:
             self.registration = None
 
     async def close(self) -> None:
+        if self._count_task is not None:
+            self._count_task.cancel()
         try:
             await self.drain()
         except Exception:  # etcd may be gone; the lease then expires by itself

@@ -356,10 +356,17 @@ class ProtocolSim:
     # -- etcd ---------------------------------------------------------------------------------
     def etcd_changed(self) -> None:
         view = set(self.etcd)
+        # Masters count the live masters in etcd (their queue bound's floor) every couple of seconds.
+        self.after(self.rng.uniform(0.0, 2.0), self.masters_counted)
         for a in self.agents.values():
             lo, hi = self.cfg.watch_delay_s
             a.watch_last = max(a.watch_last, self.now + self.rng.uniform(lo, hi))
             self.at(a.watch_last, lambda a=a, v=view, i=a.inc: self.agent_watch(a, v, i))  # type: ignore[misc]
+
+    def masters_counted(self) -> None:
+        for m in self.masters.values():
+            if m.alive and m.core is not None:
+                m.core.set_masters(len(self.etcd))
 
     def etcd_expire(self, m: SimMaster, inc: int) -> None:
         if m.inc == inc and not m.alive and m.mid in self.etcd:
@@ -379,6 +386,7 @@ class ProtocolSim:
         m.alive, m.draining = True, False
         m.registry = NodeRegistry()
         m.core = AdmissionCore(self.cfg.admission, clock=lambda: self.now)
+        m.core.set_masters(len(self.etcd) + 1)
         m.streams, m.leases = {}, {}
         m.registry.subscribe(lambda shares, m=m: self.master_shares(m, shares))  # type: ignore[misc]
         self.etcd.add(mid)

@@ -634,3 +634,29 @@ def test_updating_some_shares_equals_setting_them_all(ops: list[tuple[str, objec
         inc.now += 0.01
     sa, sb = a.snapshot(), b.snapshot()
     assert sa == sb
+
+
+def test_queue_bound_keeps_the_even_part_when_a_demand_split_shrinks_the_share() -> None:
+    # Two nodes of 8 slots, 2 masters; a demand split left this master 1 slot on each.
+    core = AdmissionCore(AdmissionPolicy(queue_waves=1.0), clock=Clock())
+    core.set_shares({"d1": 1, "d2": 1}, node_capacity={"d1": 8, "d2": 8})
+    assert queue_bound(core) == 2  # master count unknown: the bound follows the share held
+    core.set_masters(2)
+    assert queue_bound(core) == 8 and core.snapshot()["masters"] == 2  # 16 slots ÷ 2 masters
+    running = [core.submit(1, COLD) for _ in range(2)]
+    queued = [core.submit(1, COLD) for _ in range(8)]
+    assert all(t.state is G for t in running) and all(t.state is Q for t in queued)
+    # what it queues is what it reports as demand: the split can now see it
+    assert core.wanted_slots() == 8
+    assert core.submit(1, COLD).reason.code == "queue_full"  # type: ignore[union-attr]
+    # holding more than its even part (the other master drains), the bound follows the share
+    core.update_shares({"d1": 8, "d2": 8}, node_capacity={"d1": 8, "d2": 8})
+    assert queue_bound(core) == 16 and all(t.state is G for t in queued)
+    # back to 1 slot per node with 4 masters: the even part is 4 slots
+    core.update_shares({"d1": 1, "d2": 1}, node_capacity={"d1": 8, "d2": 8})
+    core.set_masters(4)
+    assert queue_bound(core) == 4
+    later = [core.submit(1, COLD) for _ in range(5)]
+    assert [t.state for t in later[:4]] == [Q] * 4 and later[4].reason.code == "queue_full"  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="masters"):
+        core.set_masters(-1)
