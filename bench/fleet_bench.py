@@ -501,7 +501,7 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=5.0, help="quiet seconds before each window")
     p.add_argument("--trials", type=int, default=3, help="SIGKILL trials per master count")
     p.add_argument("--start-timeout", type=float, default=300.0)
-    p.add_argument("--share-policy", default="static")
+    p.add_argument("--share-policy", choices=["demand", "static"], default="demand")
     p.add_argument("--processes", type=int, default=0, help="also: N agent processes against 2 masters")
     p.add_argument("--skip-fleet", action="store_true", help="only --processes / --etcd-late")
     p.add_argument(

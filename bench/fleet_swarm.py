@@ -129,7 +129,7 @@ def main() -> None:
     p.add_argument("--first", type=int, default=0)
     p.add_argument("--count", type=int, required=True)
     p.add_argument("--lease-ttl", type=int, default=5)
-    p.add_argument("--share-policy", default="static")
+    p.add_argument("--share-policy", choices=["demand", "static"], default="demand")
     p.add_argument("--handover", default="strict")
     p.add_argument("--report-interval", type=float, default=0.0, help="0: the agent's default")
     # Each agent checks its own engine on its own host in a fleet; here a thousand agents' checks

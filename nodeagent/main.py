@@ -151,10 +151,10 @@ def build_parser() -> EnvArgumentParser:
     g.add_argument(
         "--share-policy",
         choices=["static", "demand"],
-        default="static",
-        help="static (default): an even split among live masters; demand: follow what masters run and "
-        "queue (active + wanted slots), with a floor, hysteresis and a bounded step (a master that joins "
-        "counts as wanting its even share for 5 s; see bench/README.md for why it is not the default yet)",
+        default="demand",
+        help="demand (default): follow what masters run and queue (active + wanted slots), max-min fair "
+        "with a floor, hysteresis and a bounded step; an idle node splits evenly and a master that joins "
+        "counts as wanting its even share for 5 s; static: always an even split among live masters",
     )
     g.add_argument(
         "--share-floor",

@@ -140,7 +140,7 @@ class SharePolicy:
     """How a node's capacity is split and handed over; the fields are the agent's flags of the same
     names (``--share-policy`` is ``policy``, ``--share-floor`` is ``floor``), carried unchanged."""
 
-    policy: str = "static"  # static: even split; demand: follow active + wanted slots (even when idle)
+    policy: str = "demand"  # demand: follow active + wanted slots (even when idle); static: even split
     handover: str = "strict"  # strict: shrink before grow; fast: shares move at once
     grace: float = 1.0  # seconds a master's stream may be down before it leaves the split
     floor: int = 1  # demand: slots every live master keeps

@@ -522,12 +522,12 @@ def test_sidecar_template_refuses_a_bad_role(helm: str) -> None:
     assert proc.returncode != 0 and "role must be prefill or decode" in proc.stderr
 
 
-def test_agents_split_evenly_with_strict_handover_by_default(helm: str) -> None:
+def test_agents_split_by_demand_with_strict_handover_by_default(helm: str) -> None:
     agents = list(agent_containers(render({"demo": {"enabled": True}})))
     assert agents
     for _, agent in agents:
         f = flags(agent)
-        assert f["share-policy"] == "static" and f["handover"] == "strict"
+        assert f["share-policy"] == "demand" and f["handover"] == "strict"
 
 
 def test_agent_options_follow_values(helm: str) -> None:
@@ -542,7 +542,7 @@ def test_agent_options_follow_values(helm: str) -> None:
                 "healthPort": 9091,
                 "image": {"tag": "agent-1"},
                 "handover": "fast",
-                "sharePolicy": "demand",
+                "sharePolicy": "static",
             },
         }
     )
@@ -550,7 +550,7 @@ def test_agent_options_follow_values(helm: str) -> None:
     assert len(agents) == 2
     for _, agent in agents:
         f = flags(agent)
-        assert f["handover"] == "fast" and f["share-policy"] == "demand"
+        assert f["handover"] == "fast" and f["share-policy"] == "static"
         assert f["cluster"] == "fleet-a" and f["log-level"] == "debug" and f["lease-ttl"] == "8"
         assert "no-load-probe" in f and f["no-load-probe"] is None
         assert f["health-port"] == "9091" and port_number(agent, "agent-health") == 9091

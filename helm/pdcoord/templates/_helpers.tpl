@@ -251,7 +251,7 @@ the volumes of "pdcoord.nodeagent.volumes".
     - --no-load-probe
     {{- end }}
     - --handover={{ default "strict" $na.handover }}
-    - --share-policy={{ default "static" $na.sharePolicy }}
+    - --share-policy={{ default "demand" $na.sharePolicy }}
     - --health-port={{ int $na.healthPort }}
     {{- if $na.engineHealth.enabled }}
     - --health-interval={{ $na.engineHealth.interval }}
