@@ -232,6 +232,8 @@ class Fleet:
                     "--cluster", self.cluster.cluster, "--first", str(first),
                     "--count", str(min(per, self.args.nodes - first)),
                     "--share-policy", self.args.share_policy,
+                    *(["--probe-interval", str(self.args.probe_interval)] if self.args.probe_interval
+                      else []),
                     *(["--profile-dir", self.args.profile_dir] if self.args.profile_dir else [])]  # fmt: skip
             self.swarms.append(self.group.start(f"swarm{k}", argv))
         if wait:
@@ -502,6 +504,9 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=3, help="SIGKILL trials per master count")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--share-policy", choices=["demand", "static"], default="demand")
+    p.add_argument(
+        "--probe-interval", type=float, default=0.0, help="agents' steady engine sample period (0: theirs)"
+    )
     p.add_argument("--processes", type=int, default=0, help="also: N agent processes against 2 masters")
     p.add_argument("--skip-fleet", action="store_true", help="only --processes / --etcd-late")
     p.add_argument(
