@@ -20,11 +20,10 @@ import itertools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from nodeagent.slicing import SharePolicy, Slicer
 from pdmaster.admission import AdmissionCore, AdmissionPolicy, RequestClass, Ticket, TicketState
-from pdmaster.registry import DECODE, NodeRegistry, ProtocolError
+from pdmaster.registry import DECODE, NodeRegistry, ProtocolError, ShareChanges
 
 
 @dataclass
@@ -388,7 +387,8 @@ class ProtocolSim:
         m.core = AdmissionCore(self.cfg.admission, clock=lambda: self.now)
         m.core.set_masters(len(self.etcd) + 1)
         m.streams, m.leases = {}, {}
-        m.registry.subscribe(lambda shares, m=m: self.master_shares(m, shares))  # type: ignore[misc]
+        # The master's own path: the registry hands admission only the nodes whose share changed.
+        m.registry.subscribe_changes(lambda changes, m=m: self.master_shares(m, changes))  # type: ignore[misc]
         self.etcd.add(mid)
         m.in_etcd = True
         self.etcd_changed()
@@ -410,11 +410,13 @@ class ProtocolSim:
             return max(rates.get(mid, 0.0) * total / weight, 1e-6)
         return max(rates.get(mid, 40.0), 1e-6)
 
-    def master_shares(self, m: SimMaster, shares: Any) -> None:
+    def master_shares(self, m: SimMaster, changes: ShareChanges) -> None:
         if m.core is None or not m.alive:
             return
-        caps = {nid: self.cfg.nodes[nid] for nid in shares}
-        m.core.set_shares(shares, caps)
+        m.core.update_shares(
+            {nid: share for nid, (share, _) in changes.items()},
+            {nid: full for nid, (_, full) in changes.items()},
+        )
         self.master_changes(m, m.core.last_changes)
 
     def master_changes(self, m: SimMaster, changes: list[Ticket]) -> None:
