@@ -125,8 +125,15 @@ SharesListener = Callable[[Mapping[str, int]], None]
 # of 0: the node holds none any more.
 ShareChanges = Mapping[str, tuple[int, int]]
 ShareChangesListener = Callable[[ShareChanges], None]
+
+
 # (node_id, role) of a node that stopped holding a share over a live stream.
 LeftListener = Callable[[str, str], None]
+
+
+def split_changes(changes: ShareChanges) -> tuple[dict[str, int], dict[str, int]]:
+    """``changes`` as the two maps ``AdmissionCore.update_shares`` takes: shares, full capacities."""
+    return {n: share for n, (share, _) in changes.items()}, {n: full for n, (_, full) in changes.items()}
 
 
 class NodeRegistry:

@@ -32,7 +32,7 @@ from pdmaster.engine.health import BreakerState, CircuitBreaker, EngineBreakers
 from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import MasterMetrics, RequestMetrics
 from pdmaster.pipeline import RequestPipeline
-from pdmaster.registry import DECODE, NodeRegistry, ShareChanges
+from pdmaster.registry import DECODE, NodeRegistry, ShareChanges, split_changes
 from pdmaster.routing import POLICIES, Router
 
 log = logging.getLogger(__name__)
@@ -132,10 +132,7 @@ class MasterServer:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _on_shares(self, changes: ShareChanges) -> None:
-        self.admission.update_shares(
-            {nid: share for nid, (share, _) in changes.items()},
-            {nid: full for nid, (_, full) in changes.items()},
-        )
+        self.admission.update_shares(*split_changes(changes))
 
     # -- engine faults --------------------------------------------------------------------------
     def _on_breaker(self, node_id: str, breaker: CircuitBreaker) -> None:

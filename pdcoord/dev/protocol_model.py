@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from nodeagent.slicing import SharePolicy, Slicer
 from pdmaster.admission import AdmissionCore, AdmissionPolicy, RequestClass, Ticket, TicketState
-from pdmaster.registry import DECODE, NodeRegistry, ProtocolError, ShareChanges
+from pdmaster.registry import DECODE, NodeRegistry, ProtocolError, ShareChanges, split_changes
 
 
 @dataclass
@@ -385,12 +385,12 @@ class ProtocolSim:
         m.alive, m.draining = True, False
         m.registry = NodeRegistry()
         m.core = AdmissionCore(self.cfg.admission, clock=lambda: self.now)
-        m.core.set_masters(len(self.etcd) + 1)
         m.streams, m.leases = {}, {}
         # The master's own path: the registry hands admission only the nodes whose share changed.
         m.registry.subscribe_changes(lambda changes, m=m: self.master_shares(m, changes))  # type: ignore[misc]
         self.etcd.add(mid)
         m.in_etcd = True
+        m.core.set_masters(len(self.etcd))  # a master counts the masters right after registering
         self.etcd_changed()
         self.after(self.rng.expovariate(self._rate(mid)), lambda inc=m.inc: self.arrival(m, inc))  # type: ignore[misc]
 
@@ -413,10 +413,7 @@ class ProtocolSim:
     def master_shares(self, m: SimMaster, changes: ShareChanges) -> None:
         if m.core is None or not m.alive:
             return
-        m.core.update_shares(
-            {nid: share for nid, (share, _) in changes.items()},
-            {nid: full for nid, (_, full) in changes.items()},
-        )
+        m.core.update_shares(*split_changes(changes))
         self.master_changes(m, m.core.last_changes)
 
     def master_changes(self, m: SimMaster, changes: list[Ticket]) -> None:
