@@ -5,7 +5,9 @@ masters while processes are killed and restarted. Every request must end with a 
 explicit error at its client, never a hang; leases must never leak. Measured values are printed
 (run with ``-s`` to see them).
 
-``PDCOORD_SOAK_S`` sets the soak duration (default 60 s).
+``PDCOORD_SOAK_S`` sets the soak duration (default 60 s); ``PDCOORD_ROLLING_HOLD_S`` how long the
+rolling restart keeps the load on after each master is back (default 1 s; longer exposes the demand
+split's convergence under load, see bench/README.md).
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ def test_rolling_restart_of_every_master_loses_nothing(cluster: LocalCluster, lo
             f"{mid}: drained+exited {stopped:.2f}s, others full {handover:.2f}s later, "
             f"back and re-sliced {time.monotonic() - t1:.2f}s after restart (shares {rejoin:.2f}s)"
         )
-        time.sleep(1.0)
+        time.sleep(float(os.environ.get("PDCOORD_ROLLING_HOLD_S", "1.0")))
     results = load.stop()
     retried = [r for r in results if r.retried_because]
     failed = [r for r in results if not r.ok]
