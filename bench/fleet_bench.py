@@ -88,6 +88,10 @@ def samples(values: list[float]) -> list[float | None]:
     return [round(x, 3) if math.isfinite(x) else None for x in values]
 
 
+# (CPU-seconds by "agents" / "masters" / "etcd", messages counted by (master, kind)): Fleet.counters
+Counters = tuple[dict[str, float], dict[tuple[str, str], float]]
+
+
 class Fleet:
     def __init__(self, args: argparse.Namespace, group: ProcessGroup, etcd: LocalEtcd) -> None:
         self.args = args
@@ -161,7 +165,7 @@ class Fleet:
         self._next_master += 1
         return mid
 
-    def counters(self) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+    def counters(self) -> Counters:
         """CPU-seconds so far of the agent processes, the live masters and etcd; and the messages
         each live master has counted so far, by (master, kind)."""
         assert self.etcd.pid is not None
@@ -183,9 +187,7 @@ class Fleet:
             for s in self.swarms:
                 os.kill(s.pid, sig)
 
-    def note_transition(
-        self, what: str, wall: float, before: tuple[dict[str, float], dict[tuple[str, str], float]]
-    ) -> None:
+    def note_transition(self, what: str, wall: float, before: Counters) -> None:
         """How busy the agent processes (and the masters, etcd) were during a transition: near the
         machine's core count means the time measured is the harness's CPU throughput, not the
         protocol's latency. A master killed in the transition is not in the masters' figure."""
