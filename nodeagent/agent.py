@@ -494,10 +494,8 @@ class NodeAgent:
                     if not polling or self._worth_polling(link, now):
                         link.send_now.set()
             wake = next_report
-            deadline = self.slicer.next_deadline()
-            # A deadline already past was applied by the tick above (a grace window that ended
-            # stays listed while its master is in etcd); waking for it again would spin the loop.
-            if deadline is not None and deadline > now:
+            deadline = self.slicer.next_deadline(now)  # after the tick at now: only later timers
+            if deadline is not None:
                 wake = min(wake, deadline + 0.001)
             self._kick.clear()
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that

@@ -306,21 +306,30 @@ class Slicer:
     def _window(self, view: MasterView) -> float:
         return max(self.policy.grace, FIRST_CONNECT_MIN_S) if view.fresh else self.policy.grace
 
-    def next_grace_deadline(self) -> float | None:
-        """When the next grace window ends (so the caller can wake exactly then)."""
+    def next_grace_deadline(self, now: float) -> float | None:
+        """When the next grace window still open at ``now`` ends (so the caller can wake then).
+
+        A window that has ended stays out: a dead master's view is kept while its key is in etcd
+        (its lease has seconds to run), and listing its past deadline hid the next one, so a
+        second master lost within that time left the split at the next engine sample, not after
+        ``grace``.
+        """
         deadlines = [
-            v.down_since + self._window(v)
+            end
             for v in self.views.values()
             if v.in_etcd and not v.connected and v.down_since is not None
+            for end in (v.down_since + self._window(v),)
+            if end > now
         ]
         return min(deadlines) if deadlines else None
 
-    def next_deadline(self) -> float | None:
-        """The earliest timer of any kind (grace, rebalance, orphan timeout)."""
-        times = [self.next_grace_deadline(), self._ho.next_deadline()]
+    def next_deadline(self, now: float) -> float | None:
+        """The earliest timer after ``now`` of any kind (grace, rebalance, orphan timeout); those
+        at or before ``now`` were applied by the last :meth:`tick` at ``now``."""
+        times = [self.next_grace_deadline(now), self._ho.next_deadline()]
         if self.policy.policy == "demand" and self._members:
             times.append(self._next_rebalance)
-        return min((t for t in times if t is not None), default=None)
+        return min((t for t in times if t is not None and t > now), default=None)
 
     def members(self, now: float) -> tuple[str, ...]:
         out = []

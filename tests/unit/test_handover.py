@@ -112,7 +112,7 @@ def test_orphans_expire_after_the_timeout_when_no_probe_answers() -> None:
     s.on_ack("b", s.epoch, 2, 0, 2.0, 10)
     s.set_masters(["a"], 2.0, 11)
     assert s.share_for("a") == 2
-    assert s.next_deadline() == 12.0
+    assert s.next_deadline(2.0) == 12.0
     assert not s.tick(11.9, 12)
     assert s.tick(12.0, 13)
     assert dict(s.shares) == {"a": 4}
@@ -217,7 +217,7 @@ def test_demand_policy_rebalances_with_hysteresis_and_a_bounded_step() -> None:
     s.tick(2.1, 11)
     assert dict(s.targets) == {"busy": 50, "idle": 50}
     t = s.join_prior_s
-    assert s.next_deadline() is not None
+    assert s.next_deadline(2.1) is not None
     s.tick(t + 0.1, 11)
     assert dict(s.targets) == {"busy": 75, "idle": 25}  # at most a quarter of the node per step
     # Strict: idle has not yet acknowledged its lower grant, so busy grows by nothing yet.

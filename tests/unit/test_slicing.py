@@ -79,7 +79,7 @@ def test_slicer_grace_excludes_a_dead_stream_after_grace_only() -> None:
     s.stream_up("m2", 0.1, 200)
     assert s.epoch == e0  # same member set: no epoch churn
     assert not s.stream_down("m2", 0.5, 300)  # inside grace: unchanged
-    assert s.next_grace_deadline() == 1.5
+    assert s.next_grace_deadline(0.5) == 1.5
     assert not s.tick(1.4, 400)
     assert s.tick(1.5, 500)
     assert dict(s.shares) == {"m1": 8}
@@ -98,7 +98,7 @@ def test_slicer_new_master_gets_a_first_connect_window_then_drops_if_it_never_co
     assert s.share_for("m2") > 0
     # Longer than the grace of a stream that went down: a new master takes a fleet's connections at once.
     assert not s.tick(2.5, 4)
-    assert s.next_grace_deadline() == 1.0 + FIRST_CONNECT_MIN_S
+    assert s.next_grace_deadline(2.5) == 1.0 + FIRST_CONNECT_MIN_S
     assert s.tick(1.0 + FIRST_CONNECT_MIN_S, 5)
     assert dict(s.shares) == {"m1": 5}
     # Once it has connected, a lost stream gets the ordinary grace.
@@ -123,3 +123,25 @@ def test_restored_epoch_keeps_increasing_after_restart() -> None:
     s.restore_epoch(10**20)
     s.set_masters(["m1"], 0.0, 5)
     assert s.epoch == 10**20 + 1
+
+
+def test_a_second_lost_stream_gets_its_own_grace_while_the_first_master_is_still_in_etcd() -> None:
+    # A killed master's key outlives its stream by its lease's TTL. Its ended window must not hide
+    # the next one: the agent sleeps until the next deadline, and a hidden one fired only at the
+    # next engine sample or report, seconds late.
+    for policy in ("static", "demand"):
+        s = Slicer(node_id="d1", capacity=9, policy=SharePolicy(policy=policy, grace=1.0, handover="fast"))
+        s.set_masters(["m1", "m2", "m3"], 0.0, 1)
+        for m in ("m1", "m2", "m3"):
+            s.stream_up(m, 0.0, 2)
+        s.stream_down("m1", 10.0, 3)
+        assert s.tick(11.0, 4) and set(s.shares) == {"m2", "m3"}
+        s.stream_down("m2", 11.5, 5)  # m1's key is still in etcd; its window ended at 11.0
+        deadline = s.next_deadline(11.5)
+        assert deadline is not None and 11.5 < deadline <= 12.5, (policy, deadline)
+        assert s.next_grace_deadline(11.5) == 12.5
+        assert s.tick(12.5, 6) and set(s.shares) == {"m3"}
+        # Nothing left open: no grace deadline, and no timer at or before now.
+        assert s.next_grace_deadline(12.5) is None
+        later = s.next_deadline(12.5)
+        assert later is None or later > 12.5
