@@ -2,7 +2,7 @@
 
 Each node is a full ``nodeagent.agent.NodeAgent``: its own etcd client, registration and lease,
 masters watch, one gRPC channel and stream per master, load probe. Only the process is shared (a
-thousand Python processes do not fit on a bench machine). A tiny aiohttp server in the same process
+thousand Python processes do not fit on a bench machine). A tiny HTTP responder in the same process
 stands in for the engines: ``GET /n/<node_id>/metrics`` answers an idle SGLang engine's load.
 
 Nodes ``--first`` .. ``--first + --count - 1`` of the fleet; the role and capacity of node i come
@@ -23,8 +23,6 @@ import signal
 import time
 from pathlib import Path
 
-from aiohttp import web
-
 import nodeagent.agent as agent_mod
 from nodeagent.agent import AgentConfig, NodeAgent
 from nodeagent.slicing import SharePolicy
@@ -41,30 +39,55 @@ def node_spec(i: int) -> tuple[str, str, int]:
     return f"d{i:05d}", "decode", 32 * (1 + digest[0] % 8)
 
 
-async def _engine() -> tuple[web.AppRunner, int]:
-    async def metrics(_r: web.Request) -> web.Response:
-        return web.Response(text=IDLE_METRICS)
+class _EngineStandIn(asyncio.Protocol):
+    """An idle engine for every node of the process: ``GET /n/<node>/metrics`` and ``/health``.
 
-    async def health(_r: web.Request) -> web.Response:
-        return web.Response(text="ok")
+    Plain HTTP/1.1 keep-alive on a bare protocol rather than an aiohttp app: a thousand agents
+    sample their engines hundreds of times a second, and on a fleet that work is the engines', not
+    the agents' host's. In this one process it competed with the agents it stands beside (an
+    aiohttp handler costs several times these few lines), so it inflated the agents' measured work.
+    """
 
-    app = web.Application()
-    app.router.add_get("/n/{node}/metrics", metrics)
-    # The agents' engine liveness check: without it every node counts as down and holds no share.
-    app.router.add_get("/n/{node}/health", health)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
-    return runner, port
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.buf = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while (end := self.buf.find(b"\r\n\r\n")) >= 0:
+            head, self.buf = self.buf[:end], self.buf[end + 4 :]
+            parts = head.split(b" ", 2)
+            path = parts[1] if len(parts) > 1 else b""
+            if path.endswith(b"/metrics"):
+                self.transport.write(_METRICS_RESPONSE)
+            elif path.endswith(b"/health"):
+                # the agents' engine liveness check: without it every node would count as down
+                self.transport.write(_HEALTH_RESPONSE)
+            else:
+                self.transport.write(_NOT_FOUND_RESPONSE)
+
+
+def _response(status: str, body: bytes) -> bytes:
+    head = f"HTTP/1.1 {status}\r\nContent-Type: text/plain\r\nContent-Length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
+_METRICS_RESPONSE = _response("200 OK", IDLE_METRICS.encode())
+_HEALTH_RESPONSE = _response("200 OK", b"ok")
+_NOT_FOUND_RESPONSE = _response("404 Not Found", b"not found")
+
+
+async def _engine() -> tuple[asyncio.Server, int]:
+    server = await asyncio.get_running_loop().create_server(_EngineStandIn, "127.0.0.1", 0)
+    return server, int(server.sockets[0].getsockname()[1])
 
 
 async def run(args: argparse.Namespace) -> None:
     # One TCP connection per agent and master, as in a real fleet: gRPC would otherwise share one
     # connection among all channels of this process to the same master.
     agent_mod.GRPC_CLIENT_OPTIONS = [*agent_mod.GRPC_CLIENT_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-    runner, port = await _engine()
+    engine, port = await _engine()
     etcd = EtcdSettings([args.etcd], args.cluster, None, args.lease_ttl)
     agents = []
     for i in range(args.first, args.first + args.count):
@@ -97,7 +120,8 @@ async def run(args: argparse.Namespace) -> None:
     print(json.dumps({"started": len(agents), "seconds": round(time.monotonic() - t0, 3)}), flush=True)
     await stop.wait()
     await asyncio.gather(*(a.stop() for a in agents), return_exceptions=True)
-    await runner.cleanup()
+    engine.close()
+    await engine.wait_closed()
 
 
 def _profile_on_signals(loop: asyncio.AbstractEventLoop, out: Path, name: str) -> None:
