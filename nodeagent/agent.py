@@ -434,8 +434,8 @@ class NodeAgent:
             self._probe_wake.set()  # a departed master's slots wait for a fresh engine sample
         self._kick.set()
 
-    def _report_period(self) -> float:
-        if self.slicer.handover_pending:
+    def _report_period(self, now: float) -> float:
+        if self.slicer.handover_pending and self._acks_can_help(now):
             return self.cfg.handover_poll  # Acks move the handover on: ask for them often
         if self.cfg.shares.policy == "demand" and self._demand_moving():
             # the split follows the masters' demand, which arrives in Acks: ask for it while it moves
@@ -455,6 +455,19 @@ class NodeAgent:
             if ack is not None and (ack.active_slots or ack.wanted_slots):
                 return True
         return False
+
+    def _acks_can_help(self, now: float) -> bool:
+        """During a handover, whether polling the masters can move it on: some master is worth
+        asking (see :meth:`_worth_polling`), or a report to it is about to go out or unanswered
+        (its Ack may show that it is). Otherwise the handover waits for what wakes the loop by
+        itself: an engine sample that frees a gone master's slots, a timer, a stream coming or
+        going. In a failover that is the wait for the engine sample, during which a thousand
+        agents woke at 10 Hz to find nothing to ask."""
+        return any(
+            link.connected
+            and (link.send_now.is_set() or link.acked_at < link.reported_at or self._worth_polling(link, now))
+            for link in self.links.values()
+        )
 
     def _worth_polling(self, link: MasterLink, now: float) -> bool:
         """During a handover, ask a master for an Ack only when its answer can move the handover on
@@ -481,7 +494,7 @@ class NodeAgent:
             now = time.monotonic()
             if self.slicer.tick(now, time.time_ns()):
                 self._changed()
-            interval = self._report_period()
+            interval = self._report_period(now)
             next_report = min(next_report, now + interval)
             if self._load_dirty:
                 # load is only displayed by the masters: coalesce its changes
