@@ -196,6 +196,9 @@ class Slicer:
     _shares: dict[str, int] = field(default_factory=dict)
     _targets: dict[str, int] = field(default_factory=dict)
     _next_rebalance: float = 0.0
+    # A rebalance could move the targets: some master's demand changed since the last one, or the
+    # last one moved only part of the way. Otherwise only a join window's end can (demand).
+    _rebalance_due: bool = False
     # When each master's stream was last seen up (now, while it is up).
     _last_up: dict[str, float] = field(default_factory=dict)
     # Masters whose last Ack said they drain with nothing queued: out of the split.
@@ -279,7 +282,11 @@ class Slicer:
             self._draining.add(master_id)
         elif not draining:
             self._draining.discard(master_id)
+        h = self._ho.holders.get(master_id)
+        before = h.demand if h is not None else None
         self._ho.ack(master_id, applied_epoch, active, wanted, draining)
+        if h is not None and h.demand != before:
+            self._rebalance_due = True
         return self._recompute(now, time_ns)
 
     def on_probe(self, running: int | None, taken_at: float, now: float, time_ns: int) -> bool:
@@ -326,10 +333,25 @@ class Slicer:
     def next_deadline(self, now: float) -> float | None:
         """The earliest timer after ``now`` of any kind (grace, rebalance, orphan timeout); those
         at or before ``now`` were applied by the last :meth:`tick` at ``now``."""
-        times = [self.next_grace_deadline(now), self._ho.next_deadline()]
-        if self.policy.policy == "demand" and self._members:
-            times.append(self._next_rebalance)
+        times = [self.next_grace_deadline(now), self._ho.next_deadline(), self._next_rebalance_at(now)]
         return min((t for t in times if t is not None and t > now), default=None)
+
+    def _next_rebalance_at(self, now: float) -> float | None:
+        """When a rebalance could next move the targets (demand); None until a master's demand
+        changes. An idle node's rebalance finds nothing to move, and waking for it every
+        ``rebalance_interval`` was a thousand needless wake-ups a second in a thousand-node fleet."""
+        if self.policy.policy != "demand" or not self._members:
+            return None
+        if self._rebalance_due:
+            return self._next_rebalance
+        ends = [
+            end
+            for m in self._members
+            if m in self._joined
+            for end in (self._joined[m] + self.join_prior_s,)
+            if end > now
+        ]
+        return max(self._next_rebalance, min(ends)) if ends else None
 
     def members(self, now: float) -> tuple[str, ...]:
         out = []
@@ -412,11 +434,13 @@ class Slicer:
             return slice_shares(self.capacity, members, self.node_id)
         if reset or set(self._targets) != set(members):
             self._next_rebalance = now + self.policy.rebalance_interval
+            self._rebalance_due = False
             return self._ideal(members, now)
         if now < self._next_rebalance:
             return self._targets
         self._next_rebalance = now + self.policy.rebalance_interval
         ideal = self._ideal(members, now)
+        self._rebalance_due = False
         if (
             max((abs(ideal[m] - self._targets.get(m, 0)) for m in members), default=0)
             < self.policy.rebalance_hysteresis
@@ -425,7 +449,9 @@ class Slicer:
         step = max(
             self.policy.rebalance_hysteresis, math.ceil(self.capacity * self.policy.rebalance_max_step)
         )
-        return step_towards(self._targets, ideal, step)
+        stepped = step_towards(self._targets, ideal, step)
+        self._rebalance_due = stepped != ideal  # part of the way: the next rebalance goes on
+        return stepped
 
     def _recompute(self, now: float, time_ns: int, force: bool = False) -> bool:
         members = self.members(now)

@@ -237,6 +237,27 @@ def test_demand_policy_rebalances_with_hysteresis_and_a_bounded_step() -> None:
     assert abs(s.targets["idle"] - before["idle"]) <= 8
 
 
+def test_demand_policy_wakes_for_a_rebalance_only_when_one_can_move_the_targets() -> None:
+    """An idle node has nothing to rebalance: the agent sleeps until a master's demand changes (or
+    a join window ends) instead of waking every ``rebalance_interval`` to find the same split."""
+    s = started(100, ["a", "b"], policy="demand", rebalance_interval=1.0, rebalance_max_step=0.25)
+    t = s.join_prior_s  # both joined at 0
+    assert s.next_deadline(2.0) == t  # the join window's end can move the targets
+    s.tick(t, 5)
+    assert dict(s.targets) == {"a": 50, "b": 50}
+    assert s.next_deadline(t) is None  # idle and settled: no timer at all
+    s.on_ack("a", s.epoch, 50, 80, t + 0.2, 6)  # a's demand changed
+    assert s.next_deadline(t + 0.2) == t + 1.0
+    s.tick(t + 1.0, 7)
+    assert dict(s.targets) == {"a": 75, "b": 25}  # a quarter of the node per step: not there yet
+    assert s.next_deadline(t + 1.0) == t + 2.0
+    s.tick(t + 2.0, 8)
+    assert dict(s.targets) == {"a": 99, "b": 1}
+    assert s.next_deadline(t + 2.0) is None
+    s.on_ack("b", s.epoch, 0, 0, t + 2.1, 9)  # an Ack with the same demand changes nothing
+    assert s.next_deadline(t + 2.1) is None
+
+
 def test_demand_policy_starts_a_joining_master_at_an_even_share() -> None:
     """A master that joins while the others want the whole node is not left at the floor: its
     clients are on their way (its queue bound follows its share), so it starts even and then
