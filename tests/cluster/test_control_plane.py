@@ -272,3 +272,36 @@ def test_an_idle_demand_fleet_sends_next_to_nothing(cluster: LocalCluster) -> No
     time.sleep(8)
     # Polling would be 16 here (2 nodes x 1/s); heartbeats (30 s) and load changes allow a few.
     assert received() - before <= 4
+
+
+def test_an_agent_stops_dialling_a_master_once_its_key_is_gone(cluster: LocalCluster) -> None:
+    """A master killed for good: once its key expires the agent drops the link, and nothing of it
+    keeps dialling the dead address (gRPC kept a closed channel's transport alive while a finished
+    call object still existed, so every agent reconnected to every dead master once a second)."""
+    import socket
+
+    cluster.start_master("m1")
+    cluster.start_master("m2")
+    agent = cluster.start_agent("d1", "decode", capacity=4)
+    cluster.wait_for(lambda: cluster.full_capacity_held(["m1", "m2"], {"d1": 4}), timeout=15)
+    dead_port = cluster.masters["m2"].grpc_port
+    cluster.masters["m2"].proc.kill()
+    # The lease TTL (5 s) lets the key go; the agent then drops the link.
+    cluster.wait_for(lambda: set(agent.status()["masters"]) == {"m1"}, timeout=20)
+    time.sleep(2.0)  # the agent collects its dropped links' leftovers a second after the drop
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", dead_port))
+        listener.listen(16)
+        listener.settimeout(0.2)
+        dials = 0
+        deadline = time.monotonic() + 4.0  # a live link redials at least once a second
+        while time.monotonic() < deadline:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            dials += 1
+            conn.close()
+    assert dials == 0, f"the agent dialled the dropped master's address {dials} times in 4 s"
+    assert cluster.full_capacity_held(["m1"], {"d1": 4})
