@@ -56,7 +56,7 @@ NODE_VALUE_MIN_GAP_S = 10.0
 CHANNEL_READY_WAIT_S = 5.0
 # Ask a master for an Ack again when its answer to the last report has not come for this long.
 UNANSWERED_REPOLL_S = 5.0
-# After a link to a master that left is dropped, collect garbage this much later (see _collect_soon).
+# After a link to a master that left is dropped, collect garbage this much later (see _CollectSoon).
 DROPPED_LINK_GC_S = 1.0
 
 
