@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import json
 import logging
 import time
@@ -26,6 +25,7 @@ from nodeagent.slicing import SharePolicy, Slicer
 from pdcoord import __version__
 from pdcoord.config import EtcdSettings
 from pdcoord.etcd import EtcdClient, EtcdError, WatchCompacted
+from pdcoord.gctuning import collect_soon
 from pdcoord.keys import Keys
 from pdcoord.load import EngineLoad
 from pdcoord.registration import Registration
@@ -56,33 +56,8 @@ NODE_VALUE_MIN_GAP_S = 10.0
 CHANNEL_READY_WAIT_S = 5.0
 # Ask a master for an Ack again when its answer to the last report has not come for this long.
 UNANSWERED_REPOLL_S = 5.0
-# After a link to a master that left is dropped, collect garbage this much later (see _CollectSoon).
+# After a link to a master that left is dropped, collect garbage this much later (see _drop_link).
 DROPPED_LINK_GC_S = 1.0
-
-
-class _CollectSoon:
-    """One garbage collection shortly after links were dropped, however many were (per process).
-
-    A gRPC aio call object sits in a reference cycle of its own (the call and the task that
-    prepared it), and while it exists its channel's transport stays alive after channel.close():
-    a link dropped because its master left etcd went on reconnecting to the dead address once a
-    second, until a full collection happened to run, which in an idle agent can take hours. One
-    collection a second after the drop frees them; one per process covers many agents dropping
-    the same master at once (the fleet benchmark runs hundreds in a process)."""
-
-    pending = False
-
-    @classmethod
-    def schedule(cls) -> None:
-        if cls.pending:
-            return
-        cls.pending = True
-        asyncio.get_running_loop().call_later(DROPPED_LINK_GC_S, cls._run)
-
-    @classmethod
-    def _run(cls) -> None:
-        cls.pending = False
-        gc.collect()
 
 
 class StartupError(Exception):
@@ -300,10 +275,10 @@ class NodeAgent:
         link = self.links.pop(mid)
         if link.task is not None:
             link.task.cancel()
-            # The task's frame refers to the link: without this the finished task, its CancelledError
-            # and the frame (with the channel and its last call) form one more cycle.
-            link.task = None
-            _CollectSoon.schedule()
+            # The link's gRPC calls are garbage in reference cycles of their own, and until they are
+            # collected the closed channel redials the dead master once a second: in an idle agent
+            # for hours, as a full collection can take that long to come by itself.
+            collect_soon(DROPPED_LINK_GC_S)
 
     # -- streams ------------------------------------------------------------------------------
     def _grant(self, mid: str) -> pb.Grant | None:
@@ -357,7 +332,6 @@ class NodeAgent:
     async def _stream_on(self, link: MasterLink, channel: Any, backoff: Backoff, outage: Outage) -> None:
         while not self._stopping:
             reader: asyncio.Task[None] | None = None
-            call: Any = None
             try:
                 if outage.ongoing:
                     # Wait until the channel connects; after a while try anyway, so that a refusal
@@ -418,9 +392,6 @@ class NodeAgent:
             finally:
                 if reader is not None:
                     reader.cancel()
-                # A finished call still referenced keeps its channel's transport alive after
-                # channel.close() (see _CollectSoon): let it go while it is young.
-                call = reader = None
                 was_up = link.connected
                 link.call, link.connected = None, False
                 if was_up and self.slicer.stream_down(link.master_id, time.monotonic(), time.time_ns()):

@@ -14,9 +14,10 @@ collected, just in batches.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 
-__all__ = ["YOUNG_THRESHOLD", "tune_gc"]
+__all__ = ["YOUNG_THRESHOLD", "collect_soon", "tune_gc"]
 
 # Net container allocations between two young collections: at a few hundred requests per second a
 # young collection about once a second, each bounded by what is allocated and alive meanwhile.
@@ -32,3 +33,27 @@ def tune_gc(young: int = YOUNG_THRESHOLD) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(young, MIDDLE_EVERY, FULL_EVERY)
+
+
+_collect_pending = False
+
+
+def collect_soon(delay: float) -> None:
+    """One full collection ``delay`` seconds from now on the running loop, however often this is
+    called meanwhile (so many callers at once, e.g. hundreds of agents in one process, cost one).
+
+    For garbage that holds a resource until it is collected: a gRPC aio call object sits in a
+    reference cycle of its own, and while it exists its channel's transport stays alive after
+    ``channel.close()`` and keeps redialling its address.
+    """
+    global _collect_pending
+    if _collect_pending:
+        return
+    _collect_pending = True
+
+    def run() -> None:
+        global _collect_pending
+        _collect_pending = False
+        gc.collect()
+
+    asyncio.get_running_loop().call_later(delay, run)

@@ -28,3 +28,29 @@ def test_tune_gc_freezes_start_up_and_keeps_collecting_cycles() -> None:
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+async def test_collect_soon_runs_one_collection_however_often_it_is_asked() -> None:
+    import asyncio
+    import gc
+
+    from pdcoord.gctuning import collect_soon
+
+    full: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    gc.callbacks.append(count)
+    try:
+        for _ in range(200):  # a swarm process's agents dropping the same master at once
+            collect_soon(0.05)
+        assert not full  # later, not now
+        await asyncio.sleep(0.3)
+        assert len(full) == 1
+        collect_soon(0.05)  # a later drop gets its own collection
+        await asyncio.sleep(0.3)
+        assert len(full) == 2
+    finally:
+        gc.callbacks.remove(count)
