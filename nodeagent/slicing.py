@@ -321,14 +321,12 @@ class Slicer:
         second master lost within that time left the split at the next engine sample, not after
         ``grace``.
         """
-        deadlines = [
-            end
+        ends = (
+            v.down_since + self._window(v)
             for v in self.views.values()
             if v.in_etcd and not v.connected and v.down_since is not None
-            for end in (v.down_since + self._window(v),)
-            if end > now
-        ]
-        return min(deadlines) if deadlines else None
+        )
+        return min((end for end in ends if end > now), default=None)
 
     def next_deadline(self, now: float) -> float | None:
         """The earliest timer after ``now`` of any kind (grace, rebalance, orphan timeout); those
@@ -344,14 +342,9 @@ class Slicer:
             return None
         if self._rebalance_due:
             return self._next_rebalance
-        ends = [
-            end
-            for m in self._members
-            if m in self._joined
-            for end in (self._joined[m] + self.join_prior_s,)
-            if end > now
-        ]
-        return max(self._next_rebalance, min(ends)) if ends else None
+        ends = (self._joined[m] + self.join_prior_s for m in self._members if m in self._joined)
+        window_end = min((end for end in ends if end > now), default=None)
+        return None if window_end is None else max(self._next_rebalance, window_end)
 
     def members(self, now: float) -> tuple[str, ...]:
         out = []

@@ -125,8 +125,6 @@ SharesListener = Callable[[Mapping[str, int]], None]
 # of 0: the node holds none any more.
 ShareChanges = Mapping[str, tuple[int, int]]
 ShareChangesListener = Callable[[ShareChanges], None]
-
-
 # (node_id, role) of a node that stopped holding a share over a live stream.
 LeftListener = Callable[[str, str], None]
 
