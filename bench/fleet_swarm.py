@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import hashlib
 import json
 import logging
@@ -67,6 +68,27 @@ class _EngineStandIn(asyncio.Protocol):
                 self.transport.write(_HEALTH_RESPONSE)
             else:
                 self.transport.write(_NOT_FOUND_RESPONSE)
+
+
+async def _watch_lag(log: logging.Logger, period: float = 0.1, report: float = 0.5) -> None:
+    """Log when this process's event loop falls behind by more than ``report`` seconds: its agents'
+    timers (grace, lease renewals) are then late by as much, and the harness, not the protocol, is
+    what a transition measures."""
+    gc_started = 0.0
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        nonlocal gc_started
+        if phase == "start":
+            gc_started = time.perf_counter()
+        elif (took := time.perf_counter() - gc_started) > 0.1:
+            log.warning("gc generation %d took %.2f s", info["generation"], took)
+
+    gc.callbacks.append(on_gc)
+    while True:
+        before = time.monotonic()
+        await asyncio.sleep(period)
+        if (late := time.monotonic() - before - period) > report:
+            log.warning("event loop %.2f s late", late)
 
 
 def _response(status: str, body: bytes) -> bytes:
@@ -122,8 +144,10 @@ async def run(args: argparse.Namespace) -> None:
     # walks in full every so often: a cost that grows with the agents per process and that no real
     # agent pays. Collect rarely, as the master does.
     tune_gc()
+    lag = asyncio.create_task(_watch_lag(logging.getLogger("swarm")))
     print(json.dumps({"started": len(agents), "seconds": round(time.monotonic() - t0, 3)}), flush=True)
     await stop.wait()
+    lag.cancel()
     await asyncio.gather(*(a.stop() for a in agents), return_exceptions=True)
     engine.close()
     await engine.wait_closed()
