@@ -10,9 +10,9 @@ Two things are implemented here rather than taken from etcd3aio, on purpose:
 * the prefix watch tracks the revision of the last *event* it delivered and resumes from the next
   one, so a reconnect never skips events (etcd3aio resumes from the response header revision, which
   for the creation response and for catch-up batches is ahead of the events actually delivered);
-* lease keep-alive is one request and its answer at a time on a long-lived stream
-  (:class:`LeaseRenewer`), so the keeper in :mod:`pdcoord.registration` can retry through an outage
-  and report a lost lease (etcd3aio's ``LeaseKeepalive`` stops silently).
+* lease keep-alive is one request and its answer at a time on a long-lived stream that a late
+  answer does not end (:class:`LeaseRenewer`), so the keeper in :mod:`pdcoord.registration` can
+  retry through an outage and report a lost lease (etcd3aio's ``LeaseKeepalive`` stops silently).
 """
 
 from __future__ import annotations
@@ -496,47 +496,100 @@ class EtcdClient:
 class LeaseRenewer:
     """Renews one lease over one long-lived ``LeaseKeepAlive`` stream: a renewal is one message each
     way. A stream per renewal made etcd set up and tear down a gRPC stream for every agent every
-    TTL/3 seconds, its largest steady-state cost at a thousand nodes. Any failure closes the stream
-    (a late answer must not be taken for the next renewal's); the next renewal opens a new one, with
-    the current credentials.
+    TTL/3 seconds, its largest steady-state cost at a thousand nodes.
+
+    A renewal whose answer is late fails (``timed out``) but leaves the stream open: a reader takes
+    every answer off the stream in order, so the late answer still lands, and the next renewal waits
+    for its own. Closing the stream on a late answer lost the requests already written and cost a
+    new stream each time; on a loaded host or etcd, when answers are late anyway, that turned slow
+    renewals into expired leases (a thousand-node join on a busy machine lost hundreds). The stream
+    is replaced only when it ends or fails, when a write does not go through, or when
+    ``MAX_UNANSWERED`` renewals in a row found no answer (a stream etcd no longer serves).
     """
+
+    MAX_UNANSWERED = 3
 
     def __init__(self, client: EtcdClient, lease_id: int) -> None:
         self.client = client
         self.lease_id = lease_id
         self._call: Any = None
+        self._reader: asyncio.Task[BaseException | None] | None = None
+        self._sent = 0  # requests written on the current stream
+        self._answered = 0  # answers read on it
+        self._ttl = 0  # in the newest answer
+        self._progress = asyncio.Event()  # an answer came, or the stream ended
 
     async def renew(self) -> int:
         """Renew once; the TTL etcd reports (0 or less: the lease is gone)."""
         c = self.client
         c._c()
         op = f"keep-alive lease {self.lease_id:x}"
+        with c._errors(op):
+            if self._reader is not None and (self._reader.done() or self._call.done()):
+                self.close()  # ended under us (etcd restarted, connection reset): a new one
+            if self._sent - self._answered >= self.MAX_UNANSWERED:
+                self.close()
+            if self._call is None:
+                stub = c._lease_stub
+                assert stub is not None
+                self._call = call = stub.LeaseKeepAlive(metadata=c._metadata())
+                self._sent = self._answered = 0
+                self._reader = asyncio.create_task(self._read(call), name=f"lease-answers-{self.lease_id:x}")
+            call, reader = self._call, self._reader
+            assert reader is not None
+            # A cancelled write cancels the whole call, so the write is shielded from the timeout; a
+            # write that does not go through within it means a stuck stream, which is replaced.
+            write = asyncio.ensure_future(call.write(LeaseKeepAliveRequest(ID=self.lease_id)))
+            write.add_done_callback(_consume)  # a write left behind by a timeout fails unheard
+            try:
+                await asyncio.wait_for(asyncio.shield(write), c.timeout)
+            except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+                self.close()  # the stream finished between the check and the write
+                raise EtcdUnavailable(f"{c.where}: {op}: stream ended ({exc})") from exc
+            except BaseException:
+                self.close()
+                raise
+            self._sent += 1
+            mine = self._sent
+            async with asyncio.timeout(c.timeout):
+                while self._answered < mine:
+                    if reader.done():
+                        self.close()
+                        if (failure := reader.result()) is not None:
+                            raise failure
+                        raise EtcdUnavailable(f"{c.where}: {op}: stream closed without an answer")
+                    self._progress.clear()
+                    await self._progress.wait()
+        return self._ttl
+
+    async def _read(self, call: Any) -> BaseException | None:
+        """Take every answer off ``call``; the stream's error when it fails (raised by the renewal
+        waiting for an answer), None when it ends."""
         try:
-            with c._errors(op):
-                if self._call is not None and self._call.done():
-                    self._call = None  # ended under us (etcd restarted, connection reset): a new one
-                if self._call is None:
-                    stub = c._lease_stub
-                    assert stub is not None
-                    self._call = stub.LeaseKeepAlive(metadata=c._metadata())
-                try:
-                    async with asyncio.timeout(c.timeout):
-                        await self._call.write(LeaseKeepAliveRequest(ID=self.lease_id))
-                        resp = await self._call.read()
-                except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
-                    # the stream finished between the check and the write
-                    raise EtcdUnavailable(f"{c.where}: {op}: stream ended ({exc})") from exc
-            if resp is grpc.aio.EOF:
-                raise EtcdUnavailable(f"{c.where}: {op}: stream closed without an answer")
-        except BaseException:
-            self.close()
-            raise
-        return int(resp.TTL)
+            while True:
+                resp = await call.read()
+                if resp is grpc.aio.EOF:
+                    return None
+                self._answered += 1
+                self._ttl = int(resp.TTL)
+                self._progress.set()
+        except grpc.aio.AioRpcError as exc:
+            return exc
+        finally:
+            self._progress.set()
 
     def close(self) -> None:
         call, self._call = self._call, None
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
         if call is not None:
             call.cancel()
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 __all__ = [

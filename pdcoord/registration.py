@@ -124,6 +124,7 @@ class LeaseKeeper:
         failures = 0
         retry = min(self.interval, 0.25)
         while True:
+            started = time.monotonic()
             try:
                 ttl = await renewer.renew()
             except EtcdError as exc:
@@ -146,7 +147,9 @@ class LeaseKeeper:
                 failures = 0
             self.last_renewed = time.monotonic()
             self.renewals += 1
-            await asyncio.sleep(self.interval)
+            # Every interval from the last renewal's start, not its answer: a late answer (a busy
+            # etcd or host) must not stretch the gap between renewals towards the TTL.
+            await asyncio.sleep(max(0.0, started + self.interval - self.last_renewed))
 
 
 class Registration:

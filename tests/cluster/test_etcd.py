@@ -621,3 +621,27 @@ async def test_a_renewer_keeps_one_stream_and_reopens_it_after_a_failure(etcd_cl
         assert await renewer.renew() <= 0
     finally:
         renewer.close()
+
+
+async def test_a_late_answer_keeps_the_renewer_on_its_stream(local_etcd: LocalEtcd) -> None:
+    """etcd frozen past the client's timeout (a busy etcd or host): the renewal fails as timed out,
+    but the stream stays, the late answer is taken off it, and the next renewal is answered on it."""
+    assert local_etcd.pid is not None
+    async with EtcdClient([local_etcd.endpoint], timeout=0.5) as client:
+        lease = await client.grant_lease(10)
+        renewer = client.renewer(lease)
+        try:
+            assert await renewer.renew() > 0
+            stream = renewer._call
+            os.kill(local_etcd.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(EtcdUnavailable, match="timed out"):
+                    await renewer.renew()
+            finally:
+                os.kill(local_etcd.pid, signal.SIGCONT)
+            assert renewer._call is stream  # a late answer does not cost a new stream
+            assert await renewer.renew() > 0 and renewer._call is stream
+            await _wait_for(lambda: renewer._answered == renewer._sent == 3, 5, "the late answer")
+            assert await client.lease_ttl(lease) > 0
+        finally:
+            renewer.close()
