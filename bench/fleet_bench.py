@@ -236,6 +236,7 @@ class Fleet:
                     "--share-policy", self.args.share_policy,
                     *(["--probe-interval", str(self.args.probe_interval)] if self.args.probe_interval
                       else []),
+                    *(["--etcd-connection-per-agent"] if self.args.etcd_connection_per_agent else []),
                     *(["--profile-dir", self.args.profile_dir] if self.args.profile_dir else [])]  # fmt: skip
             self.swarms.append(self.group.start(f"swarm{k}", argv))
         if wait:
@@ -508,6 +509,11 @@ def main() -> None:
     p.add_argument("--share-policy", choices=["demand", "static"], default="demand")
     p.add_argument(
         "--probe-interval", type=float, default=0.0, help="agents' steady engine sample period (0: theirs)"
+    )
+    p.add_argument(
+        "--etcd-connection-per-agent",
+        action="store_true",
+        help="each agent its own TCP connection to etcd, as on a fleet (default: one per swarm process)",
     )
     p.add_argument("--processes", type=int, default=0, help="also: N agent processes against 2 masters")
     p.add_argument("--skip-fleet", action="store_true", help="only --processes / --etcd-late")
