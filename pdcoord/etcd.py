@@ -537,29 +537,30 @@ class LeaseRenewer:
                 self._reader = asyncio.create_task(self._read(call), name=f"lease-answers-{self.lease_id:x}")
             call, reader = self._call, self._reader
             assert reader is not None
-            # A cancelled write cancels the whole call, so the write is shielded from the timeout; a
-            # write that does not go through within it means a stuck stream, which is replaced.
-            write = asyncio.ensure_future(call.write(LeaseKeepAliveRequest(ID=self.lease_id)))
-            write.add_done_callback(_consume)  # a write left behind by a timeout fails unheard
+            written = False
             try:
-                await asyncio.wait_for(asyncio.shield(write), c.timeout)
+                async with asyncio.timeout(c.timeout):
+                    await call.write(LeaseKeepAliveRequest(ID=self.lease_id))
+                    written = True
+                    self._sent += 1
+                    mine = self._sent
+                    while self._answered < mine:
+                        if reader.done():
+                            self.close()
+                            if (failure := reader.result()) is not None:
+                                raise failure
+                            raise EtcdUnavailable(f"{c.where}: {op}: stream closed without an answer")
+                        self._progress.clear()
+                        await self._progress.wait()
             except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
                 self.close()  # the stream finished between the check and the write
                 raise EtcdUnavailable(f"{c.where}: {op}: stream ended ({exc})") from exc
             except BaseException:
-                self.close()
+                # A write cut short (a timeout cancels it, and with it the call) leaves no usable
+                # stream; a late answer leaves the stream as it is.
+                if not written:
+                    self.close()
                 raise
-            self._sent += 1
-            mine = self._sent
-            async with asyncio.timeout(c.timeout):
-                while self._answered < mine:
-                    if reader.done():
-                        self.close()
-                        if (failure := reader.result()) is not None:
-                            raise failure
-                        raise EtcdUnavailable(f"{c.where}: {op}: stream closed without an answer")
-                    self._progress.clear()
-                    await self._progress.wait()
         return self._ttl
 
     async def _read(self, call: Any) -> BaseException | None:
@@ -585,11 +586,6 @@ class LeaseRenewer:
             reader.cancel()
         if call is not None:
             call.cancel()
-
-
-def _consume(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
 
 
 __all__ = [
