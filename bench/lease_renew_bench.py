@@ -57,7 +57,8 @@ def _run(root: Path, endpoint: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _commit(root: Path) -> str:
-    out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    argv = ["git", "-C", str(root), "rev-parse", "--short", "HEAD"]
+    out = subprocess.run(argv, capture_output=True, text=True)
     return out.stdout.strip() or str(root)
 
 
