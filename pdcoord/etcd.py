@@ -501,9 +501,8 @@ class LeaseRenewer:
     A renewal whose answer is late fails (``timed out``) but leaves the stream open: a reader takes
     every answer off the stream in order, so the late answer still lands, and the next renewal waits
     for its own. Closing the stream on a late answer lost the requests already written and cost a
-    new stream each time; on a loaded host or etcd, when answers are late anyway, that turned slow
-    renewals into expired leases (a thousand-node join on a busy machine lost hundreds). The stream
-    is replaced only when it ends or fails, when a write does not go through, or when
+    cancelled stream and a new one per late answer, just when a loaded host or etcd is slowest. The
+    stream is replaced only when it ends or fails, when a write does not go through, or when
     ``MAX_UNANSWERED`` renewals in a row found no answer (a stream etcd no longer serves).
     """
 
