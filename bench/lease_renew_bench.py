@@ -2,11 +2,11 @@
 against a local etcd, renewed every ``--interval`` seconds; client CPU-seconds per renewal.
 
 Every master and agent renews its lease every TTL/3 (1.7 s by default); a fleet's agents and etcd
-pay for it per node. ``--baseline DIR`` also runs the same measurement on the ``pdcoord`` package of
-another checkout (``git worktree add DIR <commit>``), alternating runs in the same minutes:
+pay for it per node. ``--baseline REF`` also runs the same measurement on the ``pdcoord`` package of
+git revision REF (a worktree under the temp dir), alternating runs in the same minutes:
 
     .venv/bin/python bench/lease_renew_bench.py
-    .venv/bin/python bench/lease_renew_bench.py --baseline /tmp/base --runs 3
+    .venv/bin/python bench/lease_renew_bench.py --baseline 0b54f1d --runs 3
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from peers import RESULTS, environment
+from peers import RESULTS, ROOT, checkout_baseline, environment, git_commit
 
 from pdcoord.dev.etcd_server import LocalEtcd
 
@@ -56,25 +56,18 @@ def _run(root: Path, endpoint: str, args: argparse.Namespace) -> dict[str, Any]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def _commit(root: Path) -> str:
-    argv = ["git", "-C", str(root), "rev-parse", "--short", "HEAD"]
-    out = subprocess.run(argv, capture_output=True, text=True)
-    return out.stdout.strip() or str(root)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--leases", type=int, default=100)
     p.add_argument("--interval", type=float, default=0.2, help="seconds between one lease's renewals")
     p.add_argument("--seconds", type=float, default=10.0, help="measuring window per run")
     p.add_argument("--runs", type=int, default=2)
-    p.add_argument("--baseline", type=Path, help="a checkout whose pdcoord to measure alongside")
+    p.add_argument("--baseline", help="also measure the pdcoord of this git revision (A/B of a change)")
     p.add_argument("--out", type=Path, default=RESULTS / "lease_renew.json")
     args = p.parse_args()
-    here = Path(__file__).resolve().parent.parent
-    variants = {f"this tree ({_commit(here)})": here}
+    variants = {f"this tree ({git_commit('HEAD')[:7]})": ROOT}
     if args.baseline:
-        variants[f"baseline ({_commit(args.baseline)})"] = args.baseline
+        variants[f"baseline ({git_commit(args.baseline)[:7]})"] = Path(checkout_baseline(args.baseline))
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     with LocalEtcd() as etcd:
         for _ in range(args.runs):

@@ -8,6 +8,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -134,3 +135,23 @@ def pyplot() -> Any:
         print("matplotlib missing: pip install -e '.[bench]' for the plots", file=sys.stderr)
         return None
     return plt
+
+
+def git_commit(ref: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", ref], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def checkout_baseline(ref: str) -> str:
+    """A detached worktree of ``ref`` under the temp dir (reused when it is already there)."""
+    commit = git_commit(ref)
+    tree = Path(tempfile.gettempdir()) / f"pdcoord-baseline-{commit[:12]}"
+    if not (tree / "pdmaster").is_dir():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=True)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), commit],
+            check=True,
+            capture_output=True,
+        )
+    return str(tree)

@@ -31,7 +31,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from peers import BENCH, CLK_TCK, RESULTS, ROOT, environment, median, pyplot, run_loadgen, write_json
+from peers import (
+    BENCH,
+    CLK_TCK,
+    RESULTS,
+    checkout_baseline,
+    environment,
+    git_commit,
+    median,
+    pyplot,
+    run_loadgen,
+    write_json,
+)
 
 from pdcoord.dev.cluster import LocalCluster
 from pdcoord.dev.etcd_server import LocalEtcd
@@ -161,26 +172,6 @@ def profile_shares(raw: Path) -> dict[str, Any]:
         if main_total
         else {},
     }
-
-
-def git_commit(ref: str) -> str:
-    return subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", ref], capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
-def checkout_baseline(ref: str) -> str:
-    """A detached worktree of ``ref`` under the temp dir (reused when it is already there)."""
-    commit = git_commit(ref)
-    tree = Path(tempfile.gettempdir()) / f"pdcoord-baseline-{commit[:12]}"
-    if not (tree / "pdmaster").is_dir():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=True)
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), commit],
-            check=True,
-            capture_output=True,
-        )
-    return str(tree)
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
