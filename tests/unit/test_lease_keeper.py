@@ -4,6 +4,7 @@ is only when the keeper asks)."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -57,7 +58,8 @@ async def test_a_late_answer_does_not_stretch_the_renewal_gap(monkeypatch: pytes
         if len(renewer.asked_at) >= 5:
             raise asyncio.CancelledError
 
-    monkeypatch.setattr(registration.time, "monotonic", clock.monotonic)
+    # only the keeper's clock is fake: the event loop keeps the real one
+    monkeypatch.setattr(registration, "time", SimpleNamespace(monotonic=clock.monotonic))
     monkeypatch.setattr(registration.asyncio, "sleep", fake_sleep)
     keeper = LeaseKeeper(_Client(renewer), 1, ttl=6)  # type: ignore[arg-type]
     with pytest.raises(asyncio.CancelledError):
