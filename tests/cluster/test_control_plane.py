@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -278,8 +279,6 @@ def test_an_agent_stops_dialling_a_master_once_its_key_is_gone(cluster: LocalClu
     """A master killed for good: once its key expires the agent drops the link, and nothing of it
     keeps dialling the dead address (gRPC kept a closed channel's transport alive while a finished
     call object still existed, so every agent reconnected to every dead master once a second)."""
-    import socket
-
     cluster.start_master("m1")
     cluster.start_master("m2")
     agent = cluster.start_agent("d1", "decode", capacity=4)

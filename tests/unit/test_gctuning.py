@@ -3,8 +3,12 @@ test process keeps CPython's defaults)."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import subprocess
 import sys
+
+from pdcoord.gctuning import collect_soon
 
 SCRIPT = """
 import gc
@@ -31,11 +35,6 @@ def test_tune_gc_freezes_start_up_and_keeps_collecting_cycles() -> None:
 
 
 async def test_collect_soon_runs_one_collection_however_often_it_is_asked() -> None:
-    import asyncio
-    import gc
-
-    from pdcoord.gctuning import collect_soon
-
     full: list[int] = []
 
     def count(phase: str, info: dict[str, int]) -> None:
