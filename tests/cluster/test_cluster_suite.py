@@ -386,7 +386,16 @@ def test_soak_random_kills_and_restarts(cluster: LocalCluster, load_guard: Loads
     for a in agents:
         if not cluster.agents[a].proc.alive:
             cluster.restart_agent(a)
-    cluster.wait_for(lambda: cluster.share_table() == expected_share_table(masters, CAPS), timeout=20)
+    expected = expected_share_table(masters, CAPS)
+    try:
+        cluster.wait_for(lambda: cluster.share_table() == expected, timeout=20)
+    except TimeoutError:
+        # say which node and master did not converge, and after which actions
+        log_text = "\n  ".join(log)
+        raise AssertionError(
+            f"shares {cluster.share_table()} != {expected} 20 s after everything was back;"
+            f" actions:\n  {log_text}"
+        ) from None
     time.sleep(1.0)
     results = load.stop()
     leases = wait_no_leases(cluster)
