@@ -36,9 +36,13 @@ from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+# A hung or cut-off master is noticed within about 2 s (a ping after 1 s without reads, 1 s to answer
+# it). ``grpc.http2.ping_timeout_ms`` is what enforces the answer time in gRPC 1.85 (see the master's
+# GRPC_SERVER_OPTIONS).
 GRPC_CLIENT_OPTIONS = [
     ("grpc.keepalive_time_ms", 1000),
     ("grpc.keepalive_timeout_ms", 1000),
+    ("grpc.http2.ping_timeout_ms", 1000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 100),

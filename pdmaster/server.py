@@ -49,9 +49,13 @@ MASTERS_POLL_S = 2.0
 # control-plane CPU: with 100 agents 1.5 of 2.3 % of a core at a 0.5 s period, 0.75 % with no pings.
 # The period stays below the agents' own 1 s keep-alive, whose timer the master's pings reset, so the
 # agents do not ping as well.
+# gRPC (1.85) closes a connection on an unanswered keep-alive ping only after
+# ``grpc.http2.ping_timeout_ms`` (default one minute); ``keepalive_timeout_ms`` alone does not, and a
+# hung or cut-off agent went unnoticed for that minute.
 GRPC_SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", 650),
     ("grpc.keepalive_timeout_ms", 250),
+    ("grpc.http2.ping_timeout_ms", 250),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 500),
     ("grpc.http2.max_pings_without_data", 0),

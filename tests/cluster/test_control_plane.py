@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -87,6 +88,28 @@ def test_sigkill_and_sigterm_failover_and_join(cluster: LocalCluster) -> None:
     cluster.start_master("m4")
     cluster.wait_for(lambda: cluster.share_table() == expected_share_table(["m1", "m4"], CAPS), timeout=10)
     cluster.wait_for(lambda: all(cluster.masters["m1"].epochs()[n] > after_kill[n] for n in CAPS), timeout=10)
+
+
+def test_a_hung_agent_is_noticed_by_its_master_through_keep_alive(cluster: LocalCluster) -> None:
+    """A stopped agent (SIGSTOP: its kernel keeps the connection open, nothing answers) must lose its
+    node on the master within about a second, before any agent's grace could hand its share on.
+    gRPC left such a stream open for a minute unless told its ping timeout."""
+    cluster.start_master("m1")
+    cluster.start_agent("d1", "decode", capacity=4)
+    cluster.wait_for(lambda: cluster.masters["m1"].shares().get("d1") == 4, timeout=15)
+    agent = cluster.agents["d1"]
+    agent.proc.send_signal(signal.SIGSTOP)
+    try:
+
+        def d1_disconnected() -> bool:
+            nodes = cluster.masters["m1"].admission()["nodes"]
+            return not any(n["node_id"] == "d1" and n["connected"] for n in nodes)
+
+        took = cluster.wait_for(d1_disconnected, timeout=20)
+        print(f"\nthe master noticed the stopped agent after {took:.2f}s")
+    finally:
+        agent.proc.send_signal(signal.SIGCONT)
+    cluster.wait_for(lambda: cluster.masters["m1"].shares().get("d1") == 4, timeout=20)
 
 
 def test_duplicate_master_and_node_ids_are_refused(cluster: LocalCluster) -> None:
