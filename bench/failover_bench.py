@@ -15,19 +15,23 @@ Two agent configurations, each in its own cluster:
 * ``lease-only``: ``--grace 1000000``: stream-based exclusion is off in effect; the share moves
   only when the dead master's etcd key goes away with its lease (TTL 5 s).
 
-Writes bench/results/failover.json and bench/results/failover.png.
+Writes bench/results/failover.json and bench/results/failover.png. ``--baseline REF`` runs every mode
+a second time with the masters and agents of that git revision (each mode's baseline right before it,
+in the same run), for an A/B of a change; ``--out NAME`` writes elsewhere under bench/results.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-from peers import RESULTS, environment, pyplot, write_json
+from peers import RESULTS, checkout_baseline, environment, git_commit, pyplot, write_json
 
 from pdcoord.dev.cluster import LocalCluster
 from pdcoord.dev.etcd_server import LocalEtcd
@@ -109,17 +113,41 @@ def run_mode(mode: str, trials: int, concurrency: int, log_dir: str) -> dict[str
     }
 
 
+@contextlib.contextmanager
+def _code_of(tree: str) -> Any:
+    """The processes started meanwhile (masters, agents, engines, load) import the code in ``tree``
+    (``python -m`` puts the working directory first on the path, hence the ``chdir``)."""
+    before, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
+    os.environ["PYTHONPATH"] = tree
+    os.chdir(tree)
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--concurrency", type=int, default=16, help="load generator concurrency")
     p.add_argument("--modes", default="stream,stream-fast,lease-only")
     p.add_argument("--log-dir", default=None)
+    p.add_argument("--baseline", help="also run every mode with the code of this git revision (A/B)")
+    p.add_argument("--out", default="failover.json", help="file name under bench/results")
     args = p.parse_args()
     log_root = args.log_dir or tempfile.mkdtemp(prefix="pdcoord-failover-")
     env = environment()
     results: dict[str, Any] = {}
+    base = checkout_baseline(args.baseline) if args.baseline else None
     for mode in args.modes.split(","):
+        if base is not None:
+            label = f"{mode} (baseline {git_commit(args.baseline)[:7]})"
+            with _code_of(base):
+                results[label] = run_mode(mode, args.trials, args.concurrency, f"{log_root}/{mode}-baseline")
         results[mode] = run_mode(mode, args.trials, args.concurrency, f"{log_root}/{mode}")
     data = {
         "benchmark": "failover",
@@ -134,7 +162,7 @@ def main() -> None:
         },
         "results": results,
     }
-    path = write_json("failover.json", data)
+    path = write_json(args.out, data)
     print(f"wrote {path}")
     print("| agents | trials | p50 s | p99 s | min s | max s |")
     print("|---|---|---|---|---|---|")
@@ -143,10 +171,10 @@ def main() -> None:
             f"| {mode} | {r['trials']} | {r['p50_s']:.3f} | {r['p99_s']:.3f} | "
             f"{r['min_s']:.3f} | {r['max_s']:.3f} |"
         )
-    plot(results)
+    plot(results, args.out.rsplit(".", 1)[0] + ".png")
 
 
-def plot(results: dict[str, Any]) -> None:
+def plot(results: dict[str, Any], name: str) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -162,8 +190,8 @@ def plot(results: dict[str, Any]) -> None:
     ax.set_xlim(left=0)
     ax.set_xlabel("seconds from SIGKILL until the survivor holds all capacity")
     fig.tight_layout()
-    fig.savefig(RESULTS / "failover.png")
-    print(f"wrote {RESULTS / 'failover.png'}")
+    fig.savefig(RESULTS / name)
+    print(f"wrote {RESULTS / name}")
 
 
 if __name__ == "__main__":
