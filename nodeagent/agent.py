@@ -21,6 +21,7 @@ import grpc.aio
 from aiohttp import web
 
 from nodeagent.probe import EngineHealth, LoadProbe, check_health
+from nodeagent.reachability import GONE_PROBES_S, host_port, refuses_connections
 from nodeagent.slicing import SharePolicy, Slicer
 from pdcoord import __version__
 from pdcoord.config import EtcdSettings
@@ -401,7 +402,34 @@ class NodeAgent:
                 if was_up and self.slicer.stream_down(link.master_id, time.monotonic(), time.time_ns()):
                     self._changed()
                 self._kick.set()  # the grace deadline may have moved
+            if was_up:
+                await self._check_gone(link)
             await asyncio.sleep(backoff.next())
+
+    async def _check_gone(self, link: MasterLink) -> None:
+        """After a master's stream broke: if its address refuses connections, its process is gone
+        (killed, crashed) and it leaves the split now instead of after ``--grace``. That grace is
+        for a master that is alive but cut off; waiting it out for a dead one was a second of
+        every SIGKILL failover."""
+        target = host_port(link.address)
+        if target is None:
+            return
+        start = time.monotonic()
+        for at in GONE_PROBES_S:
+            delay = start + at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if self._stopping or link.connected or link.master_id not in self.slicer.views:
+                return
+            if await refuses_connections(*target):
+                log.info(
+                    "master %s (%s) refuses connections: its process is gone, it leaves the split now",
+                    link.master_id,
+                    link.address,
+                )
+                if self.slicer.master_gone(link.master_id, time.monotonic(), time.time_ns()):
+                    self._changed()
+                return
 
     async def _read_acks(self, link: MasterLink, call: Any) -> None:
         while True:

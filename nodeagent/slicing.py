@@ -131,6 +131,11 @@ JOIN_PRIOR_MIN_S = 5.0
 # never connects (a wrong advertised address) keeps its share idle for this long, then leaves.
 FIRST_CONNECT_MIN_S = 5.0
 
+# After a master's address refuses connections (its process is gone), engine samples taken this much
+# later may release its slots: a request it sent just before it died may still be on its way into
+# the engine's counts.
+GONE_SAMPLE_DELAY_S = 0.25
+
 HANDOVER_MODES = ("strict", "fast")
 SHARE_POLICIES = ("static", "demand")
 
@@ -166,6 +171,9 @@ class MasterView:
     down_since: float | None = None
     # It (re)appeared in etcd and its stream has not come up since: it gets FIRST_CONNECT_MIN_S.
     fresh: bool = False
+    # When its address was found refusing connections after its stream went down (its process is
+    # gone, so it places no more work anywhere): it leaves the split then, without waiting for the grace.
+    gone_at: float | None = None
 
 
 @dataclass
@@ -229,6 +237,7 @@ class Slicer:
                 if not view.connected:
                     view.down_since = now
                     view.fresh = True
+                    view.gone_at = None  # a new registration: a new process, maybe not up yet
         for mid, view in list(self.views.items()):
             if mid not in wanted:
                 view.in_etcd = False
@@ -242,6 +251,7 @@ class Slicer:
         view.connected = True
         view.down_since = None
         view.fresh = False
+        view.gone_at = None
         self._last_up[master_id] = now
         self._draining.discard(master_id)  # a draining master takes no new streams: a new process
         return self._recompute(now, time_ns)
@@ -261,6 +271,24 @@ class Slicer:
             self._ho.hold_orphan(master_id, now + self.peer_detect_s)
         if not view.in_etcd:
             del self.views[master_id]
+        return self._recompute(now, time_ns)
+
+    def master_gone(self, master_id: str, now: float, time_ns: int) -> bool:
+        """The master's address refused a connection after its stream went down: its process is gone.
+
+        It leaves the split at once instead of after ``grace``, and engine samples taken from
+        ``GONE_SAMPLE_DELAY_S`` on may release what it ran. The grace covers a master that is alive
+        but cut off, which may still place work here until its keep-alive notices; a process that no
+        longer listens places none (its listening socket closes with it). A refusal seen while the
+        stream is up, or for a master this agent does not know, changes nothing.
+        """
+        view = self.views.get(master_id)
+        if view is None or view.connected or view.gone_at is not None:
+            return False
+        view.gone_at = now
+        o = self._ho.orphans.get(master_id)
+        if o is not None:  # it left the split earlier (it drained): nothing new starts there now
+            o.not_before = min(o.not_before, now + GONE_SAMPLE_DELAY_S)
         return self._recompute(now, time_ns)
 
     def on_ack(
@@ -324,7 +352,7 @@ class Slicer:
         ends = (
             v.down_since + self._window(v)
             for v in self.views.values()
-            if v.in_etcd and not v.connected and v.down_since is not None
+            if v.in_etcd and not v.connected and v.down_since is not None and v.gone_at is None
         )
         return min((end for end in ends if end > now), default=None)
 
@@ -351,7 +379,7 @@ class Slicer:
         for mid, v in self.views.items():
             if not v.in_etcd:
                 continue
-            if mid in self._draining:
+            if mid in self._draining or v.gone_at is not None:
                 continue
             if v.connected or (v.down_since is not None and now - v.down_since < self._window(v)):
                 out.append(mid)
@@ -458,6 +486,9 @@ class Slicer:
                 # down) may not have noticed yet that it lost this node.
                 last_up = self._last_up.get(mid)
                 not_before = last_up + self.peer_detect_s if last_up is not None else now
+                gone_at = self.views[mid].gone_at if mid in self.views else None
+                if gone_at is not None:  # no process left to start leases
+                    not_before = min(not_before, gone_at + GONE_SAMPLE_DELAY_S)
                 draining = mid in self._draining
                 self._ho.exclude(mid, now, self.epoch, now if draining else not_before, draining)
             for mid in members:

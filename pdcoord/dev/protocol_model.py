@@ -51,6 +51,9 @@ class SimConfig:
     # agent_detect_s; the master's must be below the grace for strict handover to hold.
     master_detect_s: float = 0.9
     agent_detect_s: float = 2.0
+    # After a stream breaks the agent tries the master's address: a dead process refuses, and the
+    # master leaves the split without waiting for the grace (NodeAgent._check_gone).
+    gone_check: bool = True
     lease_ttl_s: float = 5.0
     watch_delay_s: tuple[float, float] = (0.001, 0.05)
     drain_timeout_s: float = 10.0
@@ -687,8 +690,18 @@ class ProtocolSim:
             link.up = False
             if a.slicer.stream_down(s.master, self.now, self.time_ns()):
                 self._changed(a)
+            if self.cfg.gone_check:
+                self.after(2 * self.delay(), lambda: self.agent_check_gone(a, link))
         self.after(link.backoff, lambda: self.agent_connect(a, link))
         link.backoff = min(link.backoff * 2, 1.0)
+
+    def agent_check_gone(self, a: SimAgent, link: Link) -> None:
+        """A connection to the master's address (a round trip): refused only when its process is dead."""
+        if not a.alive or a.slicer is None or a.links.get(link.master) is not link or link.up:
+            return
+        dead = not self.masters[link.master].alive
+        if dead and a.slicer.master_gone(link.master, self.now, self.time_ns()):
+            self._changed(a)
 
     def agent_tick(self, a: SimAgent) -> None:
         self.after(0.05, lambda: self.agent_tick(a))

@@ -112,6 +112,46 @@ def test_a_hung_agent_is_noticed_by_its_master_through_keep_alive(cluster: Local
     cluster.wait_for(lambda: cluster.masters["m1"].shares().get("d1") == 4, timeout=20)
 
 
+def test_a_killed_master_leaves_at_once_and_a_stopped_one_keeps_its_share_for_the_grace(
+    cluster: LocalCluster,
+) -> None:
+    """The agents' grace and the masters' lease TTL (60 s each) are far longer than this test waits:
+    only the refused connection to a killed master's address can move its share on before then. A
+    stopped master (SIGSTOP: alive, its kernel still accepts connections) is one that may still place
+    work once it runs again, so it must keep its share although its streams break."""
+    masters = ["m1", "m2", "m3"]
+    for m in masters:
+        cluster.start_master(m, lease_ttl=60)
+    for node, cap in CAPS.items():
+        cluster.start_agent(node, "decode", capacity=cap, grace=60)
+    cluster.wait_for(lambda: cluster.share_table() == expected_share_table(masters, CAPS), timeout=15)
+
+    cluster.masters["m3"].proc.kill()
+    took = cluster.wait_for(lambda: cluster.full_capacity_held(["m1", "m2"], CAPS), timeout=30)
+    print(f"\nSIGKILL with a 60 s grace and TTL: the survivors hold everything after {took:.3f}s")
+    for node in CAPS:
+        log = cluster.agents[node].proc.tail(5000)
+        assert "master m3" in log and "refuses connections" in log
+
+    m2 = cluster.masters["m2"]
+    m2.proc.send_signal(signal.SIGSTOP)
+    try:
+
+        def streams_to_m2_down() -> bool:
+            return all(not a.status()["masters"]["m2"]["connected"] for a in cluster.agents.values())
+
+        cluster.wait_for(streams_to_m2_down, timeout=30)  # the agents' keep-alive, about 2 s
+        time.sleep(1.5)  # past every try of its address (the last 0.5 s after the stream broke)
+        for node, agent in cluster.agents.items():
+            st = agent.status()
+            assert "m2" in st["handover"]["members"], (node, st["handover"])
+            lines = agent.proc.tail(5000).splitlines()
+            assert not [ln for ln in lines if "master m2" in ln and "refuses connections" in ln], node
+    finally:
+        m2.proc.send_signal(signal.SIGCONT)
+    cluster.wait_for(lambda: cluster.share_table() == expected_share_table(["m1", "m2"], CAPS), timeout=30)
+
+
 def test_duplicate_master_and_node_ids_are_refused(cluster: LocalCluster) -> None:
     cluster.start_master("m1")
     cluster.start_agent("d1", "decode", capacity=4)

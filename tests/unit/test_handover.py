@@ -8,7 +8,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nodeagent.handover import STARTUP, Handover
-from nodeagent.slicing import SharePolicy, Slicer, demand_shares, slice_shares, step_towards
+from nodeagent.slicing import (
+    GONE_SAMPLE_DELAY_S,
+    SharePolicy,
+    Slicer,
+    demand_shares,
+    slice_shares,
+    step_towards,
+)
 
 ids = st.text(alphabet=string.ascii_lowercase, min_size=1, max_size=4)
 
@@ -342,6 +349,43 @@ def test_lease_expiry_of_a_long_dead_master_frees_its_slots_at_the_next_sample()
     s.set_masters(["a"], 7.0, 12)  # lease expired 5 s later
     assert s.on_probe(0, 7.1, 7.2, 13)  # b's stream has been down for far longer than it needs to notice
     assert dict(s.shares) == {"a": 8}
+
+
+def test_a_master_whose_address_refuses_leaves_the_split_without_waiting_for_the_grace() -> None:
+    s = started(8, ["a", "b"])
+    s.on_ack("b", s.epoch, 4, 0, 2.0, 10)
+    s.stream_down("b", 2.0, 11)  # killed: its stream broke at once
+    assert s.members(2.05) == ("a", "b")  # a broken stream alone keeps b for the grace (1 s)
+    assert s.master_gone("b", 2.05, 12)  # its address refuses connections: the process is gone
+    assert s.members(2.05) == ("a",)
+    assert dict(s.targets) == {"a": 8}
+    assert s.share_for("a") == 4  # b's 4 running leases stay reserved...
+    assert s.waits_for_engine
+    # ...until an engine sample taken after what b sent just before it died has arrived
+    assert not s.on_probe(0, 2.1, 2.15, 13)
+    assert s.on_probe(0, 2.05 + GONE_SAMPLE_DELAY_S, 2.4, 14)
+    assert dict(s.shares) == {"a": 8}
+    assert s.next_grace_deadline(2.4) is None  # no grace window left open for b
+    # The same id comes back (a restarted process at the same address): it joins again.
+    s.stream_up("b", 3.0, 15)
+    assert s.members(3.0) == ("a", "b")
+
+
+def test_a_refusal_while_the_stream_is_up_or_from_an_unknown_master_changes_nothing() -> None:
+    s = started(8, ["a", "b"])
+    epoch = s.epoch
+    assert not s.master_gone("b", 2.0, 10)  # its stream is up: a stray refusal proves nothing
+    assert not s.master_gone("x", 2.0, 10)
+    assert s.members(2.0) == ("a", "b") and s.epoch == epoch
+
+
+def test_a_master_that_registers_again_after_it_was_found_gone_gets_a_fresh_window() -> None:
+    s = started(8, ["a", "b"])
+    s.stream_down("b", 2.0, 11)
+    s.set_masters(["a"], 2.0, 12)  # its key expired...
+    s.master_gone("b", 2.1, 13)
+    s.set_masters(["a", "b"], 5.0, 14)  # ...and a new process registered under the same id
+    assert s.members(5.0) == ("a", "b")  # waiting for its stream, as any new master
 
 
 def test_a_draining_master_with_nothing_queued_leaves_the_split_and_its_slots_follow_its_leases() -> None:
