@@ -66,8 +66,14 @@ async def test_a_listener_that_does_not_accept_in_time_is_not_taken_for_dead() -
         s.bind(("127.0.0.1", 0))
         s.listen(0)
         port = s.getsockname()[1]
-        # Fill the backlog so further connects hang rather than complete.
-        fillers = [socket.create_connection(("127.0.0.1", port), timeout=1) for _ in range(2)]
+        # Fill the backlog (never accepted) so that further connects hang rather than complete; the
+        # fillers do not wait for their own handshakes, which may hang as well.
+        fillers = []
+        for _ in range(4):
+            f = socket.socket()
+            f.setblocking(False)
+            f.connect_ex(("127.0.0.1", port))
+            fillers.append(f)
         try:
             assert not await refuses_connections("127.0.0.1", port, timeout=0.2)
         finally:
