@@ -137,7 +137,8 @@ def build_parser() -> EnvArgumentParser:
         "--grace",
         type=positive_float,
         default=1.0,
-        help="seconds a master's stream may be down before its share moves to the others",
+        help="seconds a master's stream may be down before its share moves to the others (a master "
+        "whose address refuses connections leaves at once)",
     )
     g = p.add_argument_group("shares")
     g.add_argument(

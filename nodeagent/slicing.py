@@ -136,6 +136,12 @@ FIRST_CONNECT_MIN_S = 5.0
 # the engine's counts.
 GONE_SAMPLE_DELAY_S = 0.25
 
+# How long a master may take to notice a dead agent stream: its keep-alive ping after 0.65 s without
+# reads, 1 s to answer (pdmaster.server.GRPC_SERVER_OPTIONS), and a little slack. Strict handover
+# frees a departed master's slots only on engine samples taken after this, so it must cover that
+# detection; the grace need not (it only decides when the master leaves the split's targets).
+PEER_DETECT_S = 1.75
+
 HANDOVER_MODES = ("strict", "fast")
 SHARE_POLICIES = ("static", "demand")
 
@@ -194,8 +200,9 @@ class Slicer:
     capacity: int
     policy: SharePolicy = field(default_factory=SharePolicy)
     # How long a master may take to notice that its stream to this agent is dead (its gRPC
-    # keep-alive: ~0.9 s); until then it may still place work here under its last share.
-    peer_detect_s: float = 1.0
+    # keep-alive: at most 1.65 s, pdmaster.server.GRPC_SERVER_OPTIONS); until then it may still place
+    # work here under its last share.
+    peer_detect_s: float = PEER_DETECT_S
     probe: bool = True
     now: float = 0.0
     epoch: int = 0

@@ -41,21 +41,20 @@ log = logging.getLogger(__name__)
 # AdmissionCore._queue_bound): one small range read; a count a few seconds old only moves a bound.
 MASTERS_POLL_S = 2.0
 
-# Keep-alive so a silently cut agent stream is noticed within 0.9 s even when it sends nothing (a
-# ping after 0.65 s without reading anything, 0.25 s to answer): below the agents' default --grace
-# (1 s) and the second an agent allows a master to notice a lost node, so a master stops using a node
-# before the agent hands its share to others (strict handover relies on this ordering; the protocol
-# model finds oversubscription at 0.95 s). Pings are per connection and were most of a master's
-# control-plane CPU: with 100 agents 1.5 of 2.3 % of a core at a 0.5 s period, 0.75 % with no pings.
-# The period stays below the agents' own 1 s keep-alive, whose timer the master's pings reset, so the
-# agents do not ping as well.
-# gRPC (1.85) closes a connection on an unanswered keep-alive ping only after
-# ``grpc.http2.ping_timeout_ms`` (default one minute); ``keepalive_timeout_ms`` alone does not, and a
-# hung or cut-off agent went unnoticed for that minute.
+# Keep-alive so a silently cut agent stream is noticed within 1.65 s even when it sends nothing (a
+# ping after 0.65 s without reading anything, 1 s to answer). Strict handover relies on the agents
+# allowing a master that long before an engine sample may free what it held there
+# (nodeagent.slicing.PEER_DETECT_S, 1.75 s; the protocol model checks the pair). The answer time was
+# 0.25 s: on a loaded machine agents missed it by the thousand (1 000 agents in five processes:
+# 11 444 pings unanswered in time, each a stream dropped and re-opened, and joins never converged).
+# Pings are per connection and are most of a master's idle control-plane CPU; the period stays
+# below the agents' own 1 s keep-alive, whose timer the master's pings reset, so the agents do not
+# ping as well. gRPC (1.85) closes a connection on an unanswered ping only after
+# ``grpc.http2.ping_timeout_ms`` (default one minute); ``keepalive_timeout_ms`` alone does not.
 GRPC_SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", 650),
-    ("grpc.keepalive_timeout_ms", 250),
-    ("grpc.http2.ping_timeout_ms", 250),
+    ("grpc.keepalive_timeout_ms", 1000),
+    ("grpc.http2.ping_timeout_ms", 1000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 500),
     ("grpc.http2.max_pings_without_data", 0),

@@ -21,7 +21,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nodeagent.slicing import SharePolicy, Slicer
+from nodeagent.slicing import PEER_DETECT_S, SharePolicy, Slicer
 from pdmaster.admission import AdmissionCore, AdmissionPolicy, RequestClass, Ticket, TicketState
 from pdmaster.registry import DECODE, NodeRegistry, ProtocolError, ShareChanges, split_changes
 
@@ -49,7 +49,10 @@ class SimConfig:
     probe_s: float = 0.5
     # A partition is noticed by the master within this (its keep-alive) and by the agent within
     # agent_detect_s; the master's must be below the grace for strict handover to hold.
-    master_detect_s: float = 0.9
+    master_detect_s: float = 1.65
+    # How long the agents allow a master to notice (Slicer.peer_detect_s): strict handover releases
+    # a departed master's slots only on engine samples taken after that; it must cover master_detect_s.
+    peer_detect_s: float = PEER_DETECT_S
     agent_detect_s: float = 2.0
     # After a stream breaks the agent tries the master's address: a dead process refuses, and the
     # master leaves the split without waiting for the grace (NodeAgent._check_gone).
@@ -583,6 +586,7 @@ class ProtocolSim:
                 policy=self.cfg.policy,
                 floor=self.cfg.floor,
             ),
+            peer_detect_s=self.cfg.peer_detect_s,
             now=self.now,
         )
         a.slicer.restore_epoch(self.stored_epoch.get(a.node, 0))

@@ -24,10 +24,11 @@ def started(capacity: int, masters: list[str], **kw: object) -> Slicer:
     """A strict slicer whose startup reservation has been released by an idle engine sample.
 
     The even split unless the test asks for ``policy="demand"``: these tests follow the handover's
-    steps, which demand-following targets would move under them."""
+    steps, which demand-following targets would move under them. Masters are allowed a round second
+    to notice a lost stream (``peer_detect_s``), which keeps the steps' times readable."""
     kw.setdefault("grace", 1.0)
     kw.setdefault("policy", "static")
-    s = Slicer(node_id="d1", capacity=capacity, policy=SharePolicy(**kw))  # type: ignore[arg-type]
+    s = Slicer(node_id="d1", capacity=capacity, policy=SharePolicy(**kw), peer_detect_s=1.0)  # type: ignore[arg-type]
     s.set_masters(masters, 0.0, 1)
     for m in masters:
         s.stream_up(m, 0.0, 2)
@@ -37,7 +38,7 @@ def started(capacity: int, masters: list[str], **kw: object) -> Slicer:
 
 
 def test_startup_holds_every_slot_until_an_engine_sample_one_grace_later() -> None:
-    s = Slicer(node_id="d1", capacity=8, policy=SharePolicy(grace=1.0))
+    s = Slicer(node_id="d1", capacity=8, policy=SharePolicy(grace=1.0), peer_detect_s=1.0)
     s.set_masters(["a", "b"], 0.0, 1)
     s.stream_up("a", 0.0, 1)
     s.stream_up("b", 0.0, 1)
@@ -58,7 +59,7 @@ def test_startup_holds_every_slot_until_an_engine_sample_one_grace_later() -> No
 
 
 def test_without_a_probe_the_first_acks_release_the_startup_reservation() -> None:
-    s = Slicer(node_id="d1", capacity=6, probe=False, policy=SharePolicy(grace=1.0))
+    s = Slicer(node_id="d1", capacity=6, probe=False, policy=SharePolicy(grace=1.0), peer_detect_s=1.0)
     s.set_masters(["a", "b"], 0.0, 1)
     s.stream_up("a", 0.0, 1)
     s.stream_up("b", 0.0, 1)
@@ -318,7 +319,7 @@ def test_handover_issue_list_stays_bounded_without_acks() -> None:
 
 
 def test_a_failing_probe_falls_back_to_acks_for_the_startup_reservation() -> None:
-    s = Slicer(node_id="d1", capacity=4, policy=SharePolicy(grace=1.0))
+    s = Slicer(node_id="d1", capacity=4, policy=SharePolicy(grace=1.0), peer_detect_s=1.0)
     s.set_masters(["a"], 0.0, 1)
     s.stream_up("a", 0.0, 1)
     s.on_ack("a", s.epoch, 0, 0, 0.1, 2)
