@@ -392,8 +392,14 @@ class NodeAgent:
                         " (TLS: check --grpc-tls-ca/--grpc-tls-cert/--grpc-tls-server-name)",
                     )
                 outage.failed(f"{exc.code().name} {exc.details()}{hint}", level)
-            except (ConnectionError, grpc.aio.UsageError) as exc:
+            except (ConnectionError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+                # InvalidStateError: a Report written just as the call ended (the master dropped it,
+                # its reader had not seen that yet). It ended the link's task, and so its reconnects.
                 outage.failed(f"ended: {exc}")
+            except Exception:
+                # Anything else must not end the link either: a link whose task is gone never
+                # reconnects, and its master loses this node for good.
+                log.exception("stream to master %s (%s) failed; retrying", link.master_id, link.address)
             finally:
                 if reader is not None:
                     reader.cancel()
