@@ -136,22 +136,54 @@ class Fleet:
             held.get(nid) == slice_shares(cap, members, nid)[master_id] for nid, cap in self.specs.items()
         )
 
-    def off_target(self, master_id: str, members: list[str]) -> int:
+    def off_target(self, master_id: str, members: list[str]) -> list[str]:
         """Nodes on which ``master_id`` does not hold its share of the split (for a timeout's report)."""
         nodes = get_json(self.cluster.masters[master_id].url + "/admission")["nodes"]
         held = {n["node_id"]: n["effective_share"] for n in nodes if n["connected"]}
-        return sum(
-            held.get(nid) != slice_shares(cap, members, nid)[master_id] for nid, cap in self.specs.items()
-        )
+        return [
+            nid
+            for nid, cap in self.specs.items()
+            if held.get(nid) != slice_shares(cap, members, nid)[master_id]
+        ]
+
+    def node_views(self, node_ids: list[str], members: list[str]) -> dict[str, dict[str, Any]]:
+        """What each of ``members`` says of each node: connected, share, effective share, epoch, and
+        the share it should hold (a timeout's report, to tell a slow node from a stuck one)."""
+        out: dict[str, dict[str, Any]] = {nid: {} for nid in node_ids}
+        for m in members:
+            try:
+                nodes = get_json(self.cluster.masters[m].url + "/admission")["nodes"]
+            except OSError as exc:
+                for nid in node_ids:
+                    out[nid][m] = f"unreachable: {exc}"
+                continue
+            by_id = {n["node_id"]: n for n in nodes}
+            for nid in node_ids:
+                n = by_id.get(nid, {})
+                out[nid][m] = {
+                    "connected": n.get("connected"),
+                    "share": n.get("share"),
+                    "effective_share": n.get("effective_share"),
+                    "epoch": n.get("epoch"),
+                    "want": slice_shares(self.specs[nid], members, nid)[m],
+                }
+        return out
 
     def wait_all_hold(self, masters: list[str], members: list[str], timeout: float) -> float:
         t0 = time.monotonic()
         pending = list(masters)
         while pending:
             if time.monotonic() - t0 > timeout:
-                off = {m: self.off_target(m, members) for m in pending}
-                self.timeouts.append({"masters": members, "timeout_s": timeout, "nodes_off_target": off})
-                print(f"  TIMEOUT after {timeout} s: nodes off target {off}", flush=True)
+                off_nodes = {m: self.off_target(m, members) for m in pending}
+                off = {m: len(v) for m, v in off_nodes.items()}
+                sample = sorted({nid for v in off_nodes.values() for nid in v})[:5]
+                views = self.node_views(sample, members)
+                for swarm in self.swarms:
+                    swarm.send_signal(signal.SIGHUP)  # each logs its agents' links that are down
+                self.timeouts.append(
+                    {"masters": members, "timeout_s": timeout, "nodes_off_target": off, "sample": views}
+                )
+                print(f"  TIMEOUT after {timeout} s: nodes off target {off}; {json.dumps(views)}", flush=True)
                 return math.inf
             ok = list(self.pool.map(lambda m: self.holds(m, members), pending))
             pending = [m for m, good in zip(pending, ok, strict=True) if not good]
@@ -237,7 +269,8 @@ class Fleet:
                     *(["--probe-interval", str(self.args.probe_interval)] if self.args.probe_interval
                       else []),
                     *(["--etcd-connection-per-agent"] if self.args.etcd_connection_per_agent else []),
-                    *(["--profile-dir", self.args.profile_dir] if self.args.profile_dir else [])]  # fmt: skip
+                    *(["--profile-dir", self.args.profile_dir] if self.args.profile_dir else []),
+                    "--log-level", self.args.swarm_log_level]  # fmt: skip
             self.swarms.append(self.group.start(f"swarm{k}", argv))
         if wait:
             self.wait_all_hold(list(self.live), sorted(self.live), self.args.start_timeout)
@@ -529,6 +562,7 @@ def main() -> None:
         help="write a cProfile of every swarm process for every transition (join, SIGKILL) here",
     )
     p.add_argument("--log-dir", default="", help="keep every process's log here")
+    p.add_argument("--swarm-log-level", default="WARNING", help="INFO: every agent's stream events too")
     p.add_argument("--label", default="", help="stored with the results (e.g. before/after)")
     p.add_argument("--out", default=str(RESULTS / "fleet.json"))
     p.add_argument("--plot", action="store_true")

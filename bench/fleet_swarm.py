@@ -144,6 +144,7 @@ async def run(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     if args.profile_dir:
         _profile_on_signals(loop, Path(args.profile_dir), f"swarm{args.first:05d}")
+    loop.add_signal_handler(signal.SIGHUP, _log_down_links, agents)
     t0 = time.monotonic()
     await asyncio.gather(*(a.start() for a in agents))
     # A real agent's heap is its own; here 200 agents share one, which CPython's default collector
@@ -157,6 +158,26 @@ async def run(args: argparse.Namespace) -> None:
     await asyncio.gather(*(a.stop() for a in agents), return_exceptions=True)
     engine.close()
     await engine.wait_closed()
+
+
+def _log_down_links(agents: list[NodeAgent]) -> None:
+    """SIGHUP: log every agent link that is not connected, with where its task waits (the benchmark
+    sends it when nodes stay off target, to tell a slow reconnect from a stuck one)."""
+    log = logging.getLogger("swarm")
+    for a in agents:
+        for mid, link in a.links.items():
+            if link.connected:
+                continue
+            task = link.task
+            if task is None:
+                where = "no task"
+            elif task.done():
+                exc = None if task.cancelled() else task.exception()
+                where = f"task ended: {'cancelled' if task.cancelled() else repr(exc)}"
+            else:
+                frames = task.get_stack(limit=8)
+                where = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames))
+            log.warning("down link: node %s master %s: %s", a.cfg.node_id, mid, where)
 
 
 def _profile_on_signals(loop: asyncio.AbstractEventLoop, out: Path, name: str) -> None:
