@@ -116,6 +116,7 @@ class MasterLink:
     sent_share: int = -1  # the share in the last Register/Report sent on this stream
     reported_at: float = 0.0  # when the last Report went out
     acked_at: float = 0.0  # when the last Ack came in
+    gone_check: asyncio.Task[None] | None = None  # tries the address after the stream broke
 
 
 class NodeAgent:
@@ -332,6 +333,8 @@ class NodeAgent:
         try:
             await self._stream_on(link, channel, backoff, outage)
         finally:
+            if link.gone_check is not None:
+                link.gone_check.cancel()
             await channel.close(grace=None)
 
     async def _stream_on(self, link: MasterLink, channel: Any, backoff: Backoff, outage: Outage) -> None:
@@ -408,8 +411,10 @@ class NodeAgent:
                 if was_up and self.slicer.stream_down(link.master_id, time.monotonic(), time.time_ns()):
                     self._changed()
                 self._kick.set()  # the grace deadline may have moved
-            if was_up:
-                await self._check_gone(link)
+            if was_up and (link.gone_check is None or link.gone_check.done()):
+                # Beside the reconnects, not before them: a live master's stream comes back as
+                # soon as it can, while the tries (half a second in all) find a dead one.
+                link.gone_check = asyncio.create_task(self._check_gone(link), name=f"gone-{link.master_id}")
             await asyncio.sleep(backoff.next())
 
     async def _check_gone(self, link: MasterLink) -> None:
