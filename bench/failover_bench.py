@@ -31,7 +31,7 @@ import tempfile
 import time
 from typing import Any
 
-from peers import RESULTS, checkout_baseline, environment, git_commit, pyplot, write_json
+from peers import RESULTS, baseline_env, checkout_baseline, environment, git_commit, pyplot, write_json
 
 from pdcoord.dev.cluster import LocalCluster
 from pdcoord.dev.etcd_server import LocalEtcd
@@ -115,19 +115,18 @@ def run_mode(mode: str, trials: int, concurrency: int, log_dir: str) -> dict[str
 
 @contextlib.contextmanager
 def _code_of(tree: str) -> Any:
-    """The processes started meanwhile (masters, agents, engines, load) import the code in ``tree``
-    (``python -m`` puts the working directory first on the path, hence the ``chdir``)."""
-    before, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
-    os.environ["PYTHONPATH"] = tree
-    os.chdir(tree)
+    """The processes started meanwhile (masters, agents, engines, load) import the code in ``tree``."""
+    env = baseline_env(tree)
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         yield
     finally:
-        os.chdir(cwd)
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def main() -> None:

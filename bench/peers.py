@@ -143,6 +143,12 @@ def git_commit(ref: str) -> str:
     ).stdout.strip()
 
 
+def baseline_env(tree: str) -> dict[str, str]:
+    """Environment under which a ``python -m`` process imports the code in ``tree`` (a baseline
+    checkout): PYTHONSAFEPATH keeps the working directory off sys.path, so PYTHONPATH wins."""
+    return {"PYTHONPATH": tree, "PYTHONSAFEPATH": "1"}
+
+
 def checkout_baseline(ref: str) -> str:
     """A detached worktree of ``ref`` under the temp dir (reused when it is already there)."""
     commit = git_commit(ref)

@@ -35,6 +35,7 @@ from peers import (
     BENCH,
     CLK_TCK,
     RESULTS,
+    baseline_env,
     checkout_baseline,
     environment,
     git_commit,
@@ -277,9 +278,8 @@ def main() -> None:
         if baseline_tree is not None:
             # The baseline's master in a cluster of its own (agents of today's code on the same
             # engines: the wire protocol is the same), importing pdmaster from the baseline tree.
-            # PYTHONSAFEPATH keeps the working directory off sys.path, so PYTHONPATH wins.
             c3 = LocalCluster(group, etcd.endpoint, "proxybench-baseline")
-            m3 = c3.start_master("b1", env={**os.environ, "PYTHONPATH": baseline_tree, "PYTHONSAFEPATH": "1"})
+            m3 = c3.start_master("b1", env={**os.environ, **baseline_env(baseline_tree)})
             for node, eng in (("bp1", pre), ("bd1", dec)):
                 c3.start_agent(
                     node, eng.role, endpoint=eng.url, capacity=CAPACITY, bootstrap_port=eng.bootstrap_port
