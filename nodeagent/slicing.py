@@ -275,7 +275,7 @@ class Slicer:
             # reachable; from now on only engine samples can release what it still runs, and only
             # those taken after it could have noticed the stream is gone (it may stop its leases
             # then, or still be running them: the sample must be able to see them).
-            self._ho.hold_orphan(master_id, now + self.peer_detect_s)
+            self._ho.hold_orphan(master_id, self._samples_count_from(master_id, now))
         if not view.in_etcd:
             del self.views[master_id]
         return self._recompute(now, time_ns)
@@ -295,8 +295,19 @@ class Slicer:
         view.gone_at = now
         o = self._ho.orphans.get(master_id)
         if o is not None:  # it left the split earlier (it drained): nothing new starts there now
-            o.not_before = min(o.not_before, now + GONE_SAMPLE_DELAY_S)
+            o.not_before = min(o.not_before, self._samples_count_from(master_id, now))
         return self._recompute(now, time_ns)
+
+    def _samples_count_from(self, master_id: str, now: float) -> float:
+        """From when engine samples may release what a departed master held here: once it could have
+        noticed that it lost its stream (``peer_detect_s`` after the stream was last up), or shortly
+        after its process was found gone, whichever comes first."""
+        last_up = self._last_up.get(master_id)
+        at = last_up + self.peer_detect_s if last_up is not None else now
+        view = self.views.get(master_id)
+        if view is not None and view.gone_at is not None:
+            at = min(at, view.gone_at + GONE_SAMPLE_DELAY_S)
+        return at
 
     def on_ack(
         self,
@@ -491,11 +502,7 @@ class Slicer:
             for mid in set(self._members) - set(members):
                 # A master that left by its etcd key while its stream was up (or only just went
                 # down) may not have noticed yet that it lost this node.
-                last_up = self._last_up.get(mid)
-                not_before = last_up + self.peer_detect_s if last_up is not None else now
-                gone_at = self.views[mid].gone_at if mid in self.views else None
-                if gone_at is not None:  # no process left to start leases
-                    not_before = min(not_before, gone_at + GONE_SAMPLE_DELAY_S)
+                not_before = self._samples_count_from(mid, now)
                 draining = mid in self._draining
                 self._ho.exclude(mid, now, self.epoch, now if draining else not_before, draining)
             for mid in members:
