@@ -48,15 +48,12 @@ class SimConfig:
     poll_s: float = 0.1  # report interval while a handover is pending
     probe_s: float = 0.5
     # A partition is noticed by the master within this (its keep-alive) and by the agent within
-    # agent_detect_s; the master's must be below the grace for strict handover to hold.
+    # agent_detect_s; the master's must stay within peer_detect_s for strict handover to hold.
     master_detect_s: float = 1.65
     # How long the agents allow a master to notice (Slicer.peer_detect_s): strict handover releases
     # a departed master's slots only on engine samples taken after that; it must cover master_detect_s.
     peer_detect_s: float = PEER_DETECT_S
     agent_detect_s: float = 2.0
-    # After a stream breaks the agent tries the master's address: a dead process refuses, and the
-    # master leaves the split without waiting for the grace (NodeAgent._check_gone).
-    gone_check: bool = True
     lease_ttl_s: float = 5.0
     watch_delay_s: tuple[float, float] = (0.001, 0.05)
     drain_timeout_s: float = 10.0
@@ -694,8 +691,8 @@ class ProtocolSim:
             link.up = False
             if a.slicer.stream_down(s.master, self.now, self.time_ns()):
                 self._changed(a)
-            if self.cfg.gone_check:
-                self.after(2 * self.delay(), lambda: self.agent_check_gone(a, link))
+            # The agent tries the master's address (NodeAgent._check_gone): a round trip.
+            self.after(2 * self.delay(), lambda: self.agent_check_gone(a, link))
         self.after(link.backoff, lambda: self.agent_connect(a, link))
         link.backoff = min(link.backoff * 2, 1.0)
 
