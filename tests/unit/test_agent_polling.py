@@ -4,27 +4,17 @@ from __future__ import annotations
 
 import time
 
-from nodeagent.agent import AgentConfig, MasterLink, NodeAgent
+from nodeagent.agent import MasterLink, NodeAgent
 from nodeagent.slicing import SharePolicy
-from pdcoord.config import EtcdSettings
 from pdcoord.load import EngineLoad
 from pdcoord.v1 import coordination_pb2 as pb
+from tests.unit.agent_helpers import offline_agent
 
 
 def agent_in_a_failover() -> tuple[NodeAgent, float]:
     """Masters a, b, c shared the node; c's stream went down and its grace ended: a and b are to
     grow into c's slots once an engine sample shows them free. Nothing is polled yet."""
-    a = NodeAgent(
-        AgentConfig(
-            etcd=EtcdSettings(["127.0.0.1:1"], "c", None, 5),  # never contacted
-            node_id="d1",
-            role="decode",
-            endpoint="http://127.0.0.1:1",
-            running_max_req_size=12,
-            load_urls=("http://127.0.0.1:1/metrics",),
-            shares=SharePolicy(policy="static"),
-        )
-    )
+    a = offline_agent(12, load_urls=("http://127.0.0.1:1/metrics",), shares=SharePolicy(policy="static"))
     s, t = a.slicer, time.monotonic() + 10
     s.set_masters(["a", "b", "c"], t, 1)
     for m in ("a", "b", "c"):

@@ -7,10 +7,10 @@ import asyncio
 import logging
 from typing import Any
 
-from nodeagent.agent import AgentConfig, MasterLink, NodeAgent
-from pdcoord.config import EtcdSettings
+from nodeagent.agent import MasterLink
 from pdcoord.retry import Backoff, Outage
 from pdcoord.v1 import coordination_pb2 as pb
+from tests.unit.agent_helpers import offline_agent
 
 
 class FinishedCall:
@@ -52,16 +52,7 @@ class FakeChannel:
 
 
 async def test_a_report_written_as_the_call_ends_does_not_end_the_link() -> None:
-    agent = NodeAgent(
-        AgentConfig(
-            etcd=EtcdSettings(["127.0.0.1:1"], "c", None, 5),  # never contacted
-            node_id="d1",
-            role="decode",
-            endpoint="http://127.0.0.1:1",
-            running_max_req_size=4,
-            health_check=False,
-        )
-    )
+    agent = offline_agent(4, health_check=False)
     agent.slicer.set_masters(["m1"], 0.0, 1)
     link = MasterLink("m1", "127.0.0.1:1")
     live = LiveCall()
