@@ -209,11 +209,15 @@ class ControlRoutes:
             app.router.add_get("/admission", self.admission)
 
     async def health(self, _request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "master_id": self.master_id})
+        return web.json_response(
+            {"status": "ok", "master_id": self.master_id, "registered": self.lifecycle.registered}
+        )
 
     def ready_reason(self) -> str | None:
         if self.lifecycle.draining:
             return "draining"
+        if not self.lifecycle.registered:
+            return "not registered in etcd"
         if not self.registry.live(PREFILL):
             return "no prefill node holds a share"
         if not self.registry.live(DECODE):

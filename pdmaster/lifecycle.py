@@ -1,22 +1,35 @@
-"""The master's one notion of draining, and the count of requests in flight that a drain waits for.
+"""The master's one notion of registered and draining, and the count of requests in flight that a
+drain waits for.
 
-The HTTP API refuses new requests while draining, readiness reports it, and the gRPC service tells
-the agents in its Acks (so they can take this master out of the split once its queue is empty).
+Until its key is in etcd no agent knows the master, and /health and /readiness say so (a start may
+wait there for a predecessor's lease to end). The HTTP API refuses new requests while draining,
+readiness reports it, and the gRPC service tells the agents in its Acks (so they can take this
+master out of the split once its queue is empty).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 __all__ = ["Lifecycle"]
 
 
 class Lifecycle:
     def __init__(self) -> None:
+        self._registered: Callable[[], bool] = lambda: False
         self.draining = False
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+
+    @property
+    def registered(self) -> bool:
+        """Its key is in etcd under a lease etcd has not reported lost."""
+        return self._registered()
+
+    def registered_while(self, alive: Callable[[], bool]) -> None:
+        self._registered = alive
 
     def start_draining(self) -> bool:
         """Returns False when the master was draining already."""

@@ -275,6 +275,7 @@ class MasterServer:
             # Retries for as long as etcd is unreachable; raises only on a configuration error.
             await register_with_retry(self.etcd, registration, log)
             self.registration = registration
+            self.lifecycle.registered_while(lambda: registration.alive)
         except AlreadyRegistered as exc:
             raise StartupError(
                 f"--master-id {self.master_id!r} is live in etcd under another lease; "
@@ -323,6 +324,7 @@ class MasterServer:
             # Revoking deletes masters/<id> at once: agents re-slice without waiting for a TTL.
             await self.registration.stop(revoke=True)
             self.registration = None
+            self.lifecycle.registered_while(lambda: False)
 
     async def close(self) -> None:
         if self._count_task is not None:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 
 import grpc
 import pytest
 
 from pdcoord.dev.cluster import LocalCluster, http_json
+from pdcoord.dev.etcd_server import LocalEtcd
 from pdcoord.v1 import coordination_pb2 as pb
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
 from tests.cluster.cluster_helpers import expected_share_table
@@ -314,6 +317,33 @@ def test_etcd_restart_under_running_masters_and_agents(local_cluster: LocalClust
     c.wait_for(lambda: c.share_table() == expected_share_table(["m1", "m2", "m3"], caps), timeout=20)
     for p in [*c.masters.values(), *c.agents.values()]:
         assert p.proc.alive, f"{p.proc.name} died across the etcd restart"
+
+
+def test_a_master_waiting_for_etcd_is_alive_but_neither_registered_nor_ready(
+    local_cluster: LocalCluster, local_etcd: LocalEtcd
+) -> None:
+    """A load balancer must not send to a master no agent can know yet, and a restart script must
+    be able to tell "registered" from "waiting": /health answers with ``registered``."""
+    c = local_cluster
+    local_etcd.kill()
+    m = c.start_master("m1", wait=False)
+
+    def probe(path: str) -> tuple[int, dict[str, object]]:
+        try:
+            return 200, http_json(m.url + path)
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    c.wait_for(lambda: probe("/health")[0] == 200, timeout=30)
+    assert probe("/health")[1]["registered"] is False
+    status, body = probe("/readiness")
+    assert (status, body["reason"]) == (503, "not registered in etcd")
+    local_etcd.restart()
+    c.wait_for(lambda: probe("/health")[1]["registered"] is True, timeout=30)
+    c.start_agent("p1", "prefill", capacity=2)
+    c.start_agent("d1", "decode", capacity=2)
+    c.wait_for(lambda: probe("/readiness")[0] == 200, timeout=20)
+    assert m.proc.alive
 
 
 def test_an_idle_demand_fleet_sends_next_to_nothing(cluster: LocalCluster) -> None:
