@@ -41,9 +41,9 @@ def scrape_metrics(url: str, timeout: float = 3.0) -> dict[str, float]:
     return out
 
 
-def _ready(url: str) -> bool:
+def _registered(url: str) -> bool:
     try:
-        return bool(http_json(url + "/readiness", timeout=1.0).get("ready"))
+        return bool(http_json(url + "/health", timeout=1.0).get("registered"))
     except (OSError, ValueError):
         return False
 
@@ -187,7 +187,9 @@ class LocalCluster:
         """(Re)start a master, retrying while etcd still holds the lease of a killed predecessor.
 
         The master binds HTTP before it registers, so a refused start may look healthy for a moment:
-        only ``/readiness`` on a live process counts. Returns the seconds it took.
+        only ``registered`` in ``/health`` on a live process counts. Not ``/readiness``: that also
+        needs a prefill and a decode node, and the test may have stopped every agent of a role.
+        Returns the seconds it took.
         """
         start = time.monotonic()
         while True:
@@ -197,7 +199,7 @@ class LocalCluster:
                     if master_id in self.masters
                     else self.start_master(master_id)
                 )
-                self.wait_for(lambda m=m: not m.proc.alive or _ready(m.url), timeout=30)  # type: ignore[misc]
+                self.wait_for(lambda m=m: not m.proc.alive or _registered(m.url), timeout=30)  # type: ignore[misc]
                 if m.proc.alive:
                     return time.monotonic() - start
             except ProcessError:

@@ -51,6 +51,7 @@ class Targets:
     def __init__(self, cluster: LocalCluster) -> None:
         self.cluster = cluster
         self._names: list[str] = []
+        self._pending: dict[str, threading.Event] = {}  # add_once_ready: name -> its watcher's stop
         self._lock = threading.Lock()
 
     def __call__(self) -> list[tuple[str, str]]:
@@ -69,8 +70,30 @@ class Targets:
                 self._names.append(name)
         return took
 
+    def add_once_ready(self, name: str) -> None:
+        """Add ``name`` whenever it turns ready, without waiting here: a chaos loop may have stopped
+        every prefill (or decode) agent, and then no master is ready until one is back."""
+        stop = threading.Event()
+        with self._lock:
+            self._pending[name] = stop
+
+        def watch() -> None:
+            while not stop.wait(0.1):
+                if ready(self.cluster.masters[name].url):
+                    with self._lock:
+                        if self._pending.get(name) is stop:
+                            del self._pending[name]
+                            if name not in self._names:
+                                self._names.append(name)
+                    return
+
+        threading.Thread(target=watch, name=f"add-{name}", daemon=True).start()
+
     def remove(self, name: str) -> None:
         with self._lock:
+            pending = self._pending.pop(name, None)
+            if pending is not None:
+                pending.set()
             if name in self._names:
                 self._names.remove(name)
 

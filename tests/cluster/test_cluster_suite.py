@@ -369,7 +369,7 @@ def test_soak_random_kills_and_restarts(cluster: LocalCluster, load_guard: Loads
         elif action == "start_master":
             mid = rng.choice(down)
             start_master_retrying(cluster, mid)
-            targets.add_when_ready(mid)
+            targets.add_once_ready(mid)  # not ready while every prefill agent is down
         elif action == "kill_agent":
             mid = rng.choice(agents)
             cluster.agents[mid].proc.kill()
@@ -378,14 +378,15 @@ def test_soak_random_kills_and_restarts(cluster: LocalCluster, load_guard: Loads
             cluster.restart_agent(mid)
         log.append(f"{el:5.1f}s {action} {mid}")
 
-    # Bring everything back, let the load run on the whole fleet, then stop it.
-    for m in masters:
-        if not cluster.masters[m].proc.alive:
-            start_master_retrying(cluster, m)
-            targets.add_when_ready(m)
+    # Bring everything back (the agents first: a master is ready only once nodes of both roles hold a
+    # share), let the load run on the whole fleet, then stop it.
     for a in agents:
         if not cluster.agents[a].proc.alive:
             cluster.restart_agent(a)
+    for m in masters:
+        if not cluster.masters[m].proc.alive:
+            start_master_retrying(cluster, m)
+        targets.add_when_ready(m, timeout=30)
     expected = expected_share_table(masters, CAPS)
     try:
         cluster.wait_for(lambda: cluster.share_table() == expected, timeout=20)
