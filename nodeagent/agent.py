@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 
 # A hung or cut-off master is noticed within about 2 s (a ping after 1 s without reads, 1 s to answer
 # it). ``grpc.http2.ping_timeout_ms`` is what enforces the answer time in gRPC 1.85 (see the master's
-# GRPC_SERVER_OPTIONS).
+# grpc_server_options). A master that pings less often (its --keepalive) gets pinged less often too:
+# see master_channel_options.
 GRPC_CLIENT_OPTIONS = [
     ("grpc.keepalive_time_ms", 1000),
     ("grpc.keepalive_timeout_ms", 1000),
@@ -52,6 +53,31 @@ GRPC_CLIENT_OPTIONS = [
     # Small control messages only: no BDP pings (each is one more ping the master answers).
     ("grpc.http2.bdp_probe", 0),
 ]
+
+# A master's advertised times above this are a broken key, not a configuration (an hour).
+MAX_DETECT_S = 3600.0
+# What a master's etcd key says when it does not say (an older master): its default keep-alive.
+DEFAULT_MASTER_KEEPALIVE_S = 0.65
+# The agent pings a master only after this much longer a silence than the master's own ping period,
+# so that while the master is alive its pings (which reset the agent's timer) are the only ones.
+AGENT_PING_AFTER_MASTER_S = 0.35
+
+
+def master_channel_options(master_keepalive_s: float) -> list[tuple[str, int]]:
+    """The channel options for a master that pings every ``master_keepalive_s``: every ping costs
+    the master about as much whoever sends it, so the agent stays quiet while the master's come."""
+    ping_ms = max(1000, round((master_keepalive_s + AGENT_PING_AFTER_MASTER_S) * 1000))
+    return [(k, ping_ms if k == "grpc.keepalive_time_ms" else v) for k, v in GRPC_CLIENT_OPTIONS]
+
+
+@dataclass(frozen=True)
+class MasterEntry:
+    """What a master's key in etcd tells its agents."""
+
+    address: str  # host:port of its gRPC service
+    keepalive_s: float = DEFAULT_MASTER_KEEPALIVE_S
+    detect_s: float = 0.0  # how soon it notices a cut stream; 0: not said (PEER_DETECT_S covers it)
+
 
 _ROLE = {"prefill": pb.PREFILL, "decode": pb.DECODE}
 # At most 20 reports per second per master (the master refuses more than --max-reports-per-s, 50).
@@ -107,6 +133,7 @@ class AgentConfig:
 class MasterLink:
     master_id: str
     address: str
+    keepalive_s: float = DEFAULT_MASTER_KEEPALIVE_S  # the master's ping period (its etcd key)
     task: asyncio.Task[None] | None = None
     call: Any = None
     connected: bool = False
@@ -225,17 +252,17 @@ class NodeAgent:
                 kvs, revision = await self.etcd.get_prefix(prefix)
                 outage.recovered()
                 backoff.reset()
-                current: dict[str, str] = {}
+                current: dict[str, MasterEntry] = {}
                 for kv in kvs:
-                    mid, addr = self._parse_master(kv.key, kv.value)
-                    if mid:
-                        current[mid] = addr
+                    mid, entry = self._parse_master(kv.key, kv.value)
+                    if entry is not None:
+                        current[mid] = entry
                 self._set_masters(current)
                 async for ev in self.etcd.watch_prefix(prefix, start_revision=revision + 1):
                     if ev.kind == "put":
-                        mid, addr = self._parse_master(ev.key, ev.value)
-                        if mid:
-                            current[mid] = addr
+                        mid, entry = self._parse_master(ev.key, ev.value)
+                        if entry is not None:
+                            current[mid] = entry
                     else:
                         try:
                             current.pop(self.keys.id_from_key(ev.key, prefix), None)
@@ -248,30 +275,47 @@ class NodeAgent:
                 outage.failed(exc)
                 await asyncio.sleep(backoff.next())
 
-    def _parse_master(self, key: str, value: bytes) -> tuple[str, str]:
+    def _parse_master(self, key: str, value: bytes) -> tuple[str, MasterEntry | None]:
         try:
             mid = self.keys.id_from_key(key, self.keys.masters_prefix)
         except ValueError:
             log.warning("ignoring stray key %s under masters/", key)
-            return "", ""
+            return "", None
         try:
-            addr = json.loads(value)["grpc"]
+            doc = json.loads(value)
+            addr = doc["grpc"]
             if not isinstance(addr, str) or ":" not in addr:
                 raise ValueError(addr)
-        except (ValueError, KeyError, TypeError):
-            log.warning("ignoring master %s with unusable value %r", mid, value[:200])
-            return "", ""
-        return mid, addr
+            timing = {k: doc[k] for k in ("keepalive_s", "detect_s") if k in doc}
+            for k, v in timing.items():
+                # bool is an int: refuse it too; a negative or absurd time is a broken key
+                if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= MAX_DETECT_S:
+                    raise ValueError(f"{k} {v!r}")
+            entry = MasterEntry(addr, **{k: float(v) for k, v in timing.items()})
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring master %s with unusable value %r (%s)", mid, value[:200], exc)
+            return "", None
+        return mid, entry
 
-    def _set_masters(self, current: dict[str, str]) -> None:
+    def _set_masters(self, current: dict[str, MasterEntry]) -> None:
         now, tns = time.monotonic(), time.time_ns()
         for mid in list(self.links):
             link = self.links[mid]
-            if mid not in current or current[mid] != link.address:
+            entry = current.get(mid)
+            if entry is None or (entry.address, entry.keepalive_s) != (link.address, link.keepalive_s):
                 self._drop_link(mid)
-        for mid, addr in current.items():
+        for mid, entry in current.items():
+            # Before the master joins the split: its slots may have to wait for it once it leaves.
+            if self.slicer.allow_peer_detect(entry.detect_s):
+                log.info(
+                    "master %s notices a cut stream within %.2f s: slots of departed masters now wait "
+                    "%.2f s for engine samples",
+                    mid,
+                    entry.detect_s,
+                    self.slicer.peer_detect_s,
+                )
             if mid not in self.links:
-                link = MasterLink(mid, addr)
+                link = MasterLink(mid, entry.address, entry.keepalive_s)
                 self.links[mid] = link
                 link.task = asyncio.create_task(self._stream(link), name=f"stream-{mid}")
         if self.slicer.set_masters(current.keys(), now, tns):
@@ -329,7 +373,7 @@ class NodeAgent:
         # One channel for the link's life: gRPC reconnects it by itself (with its own backoff), so a
         # master that is down costs no Python work per attempt. Creating a channel and a call per
         # attempt was the agents' main cost while a killed master's key was still in etcd.
-        channel = grpc_channel(link.address, self.cfg.grpc_tls, GRPC_CLIENT_OPTIONS)
+        channel = grpc_channel(link.address, self.cfg.grpc_tls, master_channel_options(link.keepalive_s))
         try:
             await self._stream_on(link, channel, backoff, outage)
         finally:
@@ -625,9 +669,12 @@ class NodeAgent:
             "epoch": self.slicer.epoch,
             "shares": dict(self.slicer.shares),
             "handover": self.slicer.snapshot(),
+            # how long a departed master's slots wait for engine samples (strict handover)
+            "peer_detect_s": self.slicer.peer_detect_s,
             "masters": {
                 mid: {
                     "address": link.address,
+                    "keepalive_s": link.keepalive_s,
                     "connected": link.connected,
                     "active_slots": link.last_ack.active_slots if link.last_ack else 0,
                     "wanted_slots": link.last_ack.wanted_slots if link.last_ack else 0,

@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from nodeagent.handover import Handover
+from nodeagent.handover import STARTUP, Handover
 
 
 def rotation_start(node_id: str, masters: int) -> int:
@@ -136,11 +136,14 @@ FIRST_CONNECT_MIN_S = 5.0
 # the engine's counts.
 GONE_SAMPLE_DELAY_S = 0.25
 
-# How long a master may take to notice a dead agent stream: its keep-alive ping after 0.65 s without
-# reads, 1 s to answer (pdmaster.server.GRPC_SERVER_OPTIONS), and a little slack. Strict handover
-# frees a departed master's slots only on engine samples taken after this, so it must cover that
-# detection; the grace need not (it only decides when the master leaves the split's targets).
-PEER_DETECT_S = 1.75
+# How long a master may take to notice a dead agent stream: by default its keep-alive ping after
+# 0.65 s without reads, 1 s to answer (pdmaster's --keepalive, --keepalive-timeout), and a little
+# slack. Strict handover frees a departed master's slots only on engine samples taken after this, so
+# it must cover that detection; the grace need not (it only decides when the master leaves the
+# split's targets). A master with longer keep-alive advertises its ``detect_s`` in etcd, and the
+# agent then allows that plus the slack (Slicer.allow_peer_detect); never less than this.
+PEER_DETECT_SLACK_S = 0.1
+PEER_DETECT_S = 1.75  # the default 1.65 s + PEER_DETECT_SLACK_S
 
 HANDOVER_MODES = ("strict", "fast")
 SHARE_POLICIES = ("static", "demand")
@@ -200,8 +203,8 @@ class Slicer:
     capacity: int
     policy: SharePolicy = field(default_factory=SharePolicy)
     # How long a master may take to notice that its stream to this agent is dead (its gRPC
-    # keep-alive: at most 1.65 s, pdmaster.server.GRPC_SERVER_OPTIONS); until then it may still place
-    # work here under its last share.
+    # keep-alive: at most 1.65 s by default); until then it may still place work here under its last
+    # share. Only grows (allow_peer_detect), for every master: one bound for all is simpler to trust.
     peer_detect_s: float = PEER_DETECT_S
     probe: bool = True
     now: float = 0.0
@@ -234,6 +237,21 @@ class Slicer:
         )
 
     # -- inputs -------------------------------------------------------------------------------
+    def allow_peer_detect(self, detect_s: float) -> bool:
+        """A master advertises that it may take ``detect_s`` to notice a cut stream: from now on
+        every departed master's slots wait that long (plus slack) for engine samples, and so does
+        what the agent's previous incarnation granted. Call it before the master joins the split.
+        Returns whether the bound grew."""
+        wanted = detect_s + PEER_DETECT_SLACK_S
+        if wanted <= self.peer_detect_s:
+            return False
+        grown_by = wanted - self.peer_detect_s
+        self.peer_detect_s = wanted
+        startup = self._ho.orphans.get(STARTUP)
+        if startup is not None:
+            startup.not_before += grown_by
+        return True
+
     def set_masters(self, master_ids: Iterable[str], now: float, time_ns: int) -> bool:
         wanted = set(master_ids)
         for mid in wanted:

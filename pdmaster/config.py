@@ -15,6 +15,10 @@ from pdmaster.validation import Limits
 __all__ = ["ConfigError", "MasterConfig"]
 
 
+# Pings more often than this buy nothing a network can deliver and cost a core per few hundred agents.
+MIN_KEEPALIVE_S = 0.1
+
+
 class ConfigError(ValueError):
     """A flag combination the master refuses; the message names the flag."""
 
@@ -32,6 +36,8 @@ class MasterConfig:
     admin_host: str | None = None
     admin_port: int | None = None  # None: /metrics and /admission stay on the HTTP API port
     grpc_tls: ServerTLS | None = None
+    keepalive: float = 0.65  # ping an agent's stream after this long without a message
+    keepalive_timeout: float = 1.0  # and close it when the ping is not answered in this long
     # HTTP API authentication
     api_keys: tuple[str, ...] = ()
     api_keys_file: str | None = None
@@ -63,12 +69,20 @@ class MasterConfig:
     def __post_init__(self) -> None:
         if self.admin_host is not None and self.admin_port is None:
             raise ConfigError("--admin-host needs --admin-port")
+        if self.keepalive < MIN_KEEPALIVE_S:
+            raise ConfigError(f"--keepalive must be at least {MIN_KEEPALIVE_S:g} s, got {self.keepalive:g}")
         if self.breaker.backoff > self.breaker.backoff_max:
             raise ConfigError("--breaker-backoff must not exceed --breaker-backoff-max")
 
     @property
     def separate_admin(self) -> bool:
         return self.admin_port is not None
+
+    @property
+    def detect_s(self) -> float:
+        """At most how long this master takes to notice a silently cut agent stream (advertised in
+        etcd: strict handover makes the agents wait that long before they free its slots)."""
+        return self.keepalive + self.keepalive_timeout
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MasterConfig:
@@ -84,6 +98,8 @@ class MasterConfig:
             admin_host=args.admin_host,
             admin_port=args.admin_port,
             grpc_tls=server_tls_from_args(args),
+            keepalive=args.keepalive,
+            keepalive_timeout=args.keepalive_timeout,
             api_keys=tuple(args.api_key),
             api_keys_file=args.api_keys_file,
             drain_timeout=args.drain_timeout,

@@ -65,6 +65,19 @@ def build_parser() -> EnvArgumentParser:
         default=None,
         help="admin listener port (/metrics, /admission); when set they leave the public port",
     )
+    g.add_argument(
+        "--keepalive",
+        type=positive_float,
+        default=0.65,
+        help="seconds without a message on an agent's stream before this master pings it: how fast a "
+        "silently cut agent is noticed, against CPU (pings are most of an idle master's work)",
+    )
+    g.add_argument(
+        "--keepalive-timeout",
+        type=positive_float,
+        default=1.0,
+        help="seconds an agent has to answer a ping before its stream is closed",
+    )
     add_grpc_server_tls_flags(p)
     g = p.add_argument_group("HTTP API authentication")
     g.add_argument(

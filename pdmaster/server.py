@@ -41,29 +41,36 @@ log = logging.getLogger(__name__)
 # AdmissionCore._queue_bound): one small range read; a count a few seconds old only moves a bound.
 MASTERS_POLL_S = 2.0
 
-# Keep-alive so a silently cut agent stream is noticed within 1.65 s even when it sends nothing (a
-# ping after 0.65 s without reading anything, 1 s to answer). Strict handover relies on the agents
-# allowing a master that long before an engine sample may free what it held there
-# (nodeagent.slicing.PEER_DETECT_S, 1.75 s; the protocol model checks the pair). The answer time was
+
+# Keep-alive, so that a silently cut agent stream is noticed within --keepalive + --keepalive-timeout
+# (0.65 + 1 s by default) even when it carries nothing. Strict handover relies on the agents allowing
+# a master that long before an engine sample may free what it held there: the master advertises the
+# sum in its etcd key (``detect_s``), and the agents never allow less than
+# nodeagent.slicing.PEER_DETECT_S (1.75 s; the protocol model checks the pair). The answer time was
 # 0.25 s: on a loaded machine agents missed it by the thousand (1 000 agents in five processes:
 # 11 444 pings unanswered in time, each a stream dropped and re-opened, and joins never converged).
-# Pings are per connection and are most of a master's idle control-plane CPU; the period stays
-# below the agents' own 1 s keep-alive, whose timer the master's pings reset, so the agents do not
-# ping as well. gRPC (1.85) closes a connection on an unanswered ping only after
-# ``grpc.http2.ping_timeout_ms`` (default one minute); ``keepalive_timeout_ms`` alone does not.
-GRPC_SERVER_OPTIONS = [
-    ("grpc.keepalive_time_ms", 650),
-    ("grpc.keepalive_timeout_ms", 1000),
-    ("grpc.http2.ping_timeout_ms", 1000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 500),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_receive_message_length", 1 << 20),
-    ("grpc.max_send_message_length", 1 << 20),
-    # Control messages are a few hundred bytes: flow-control window probing (BDP pings on received
-    # data) buys nothing here and costs wake-ups per stream.
-    ("grpc.http2.bdp_probe", 0),
-]
+# Pings are per connection and are most of a master's idle control-plane CPU; the agents ping only
+# after a longer silence (``keepalive_s`` in the key), as the master's pings reset their timer.
+# gRPC (1.85) closes a connection on an unanswered ping only after ``grpc.http2.ping_timeout_ms``
+# (default one minute); ``keepalive_timeout_ms`` alone does not.
+def grpc_server_options(keepalive: float = 0.65, keepalive_timeout: float = 1.0) -> list[tuple[str, int]]:
+    return [
+        ("grpc.keepalive_time_ms", round(keepalive * 1000)),
+        ("grpc.keepalive_timeout_ms", round(keepalive_timeout * 1000)),
+        ("grpc.http2.ping_timeout_ms", round(keepalive_timeout * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 500),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_receive_message_length", 1 << 20),
+        ("grpc.max_send_message_length", 1 << 20),
+        # Control messages are a few hundred bytes: flow-control window probing (BDP pings on received
+        # data) buys nothing here and costs wake-ups per stream.
+        ("grpc.http2.bdp_probe", 0),
+    ]
+
+
+GRPC_SERVER_OPTIONS = grpc_server_options()
+DEFAULT_DETECT_S = 0.65 + 1.0  # what every agent allows a master at least (PEER_DETECT_S less slack)
 
 
 class StartupError(Exception):
@@ -238,7 +245,7 @@ class MasterServer:
 
     async def start(self) -> None:
         cfg = self.config
-        self.grpc_server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
+        self.grpc_server = grpc.aio.server(options=grpc_server_options(cfg.keepalive, cfg.keepalive_timeout))
         pb_grpc.add_NodeCoordinationServicer_to_server(self.coordination, self.grpc_server)
         address = f"{cfg.grpc_host}:{cfg.grpc_port}"
         if cfg.grpc_tls is not None:
@@ -267,6 +274,9 @@ class MasterServer:
                 "http": f"http://{advertise}:{self.http_port}",
                 "version": __version__,
                 "started_at": time.time(),
+                # how often this master pings an idle agent stream, and how soon it notices one cut
+                "keepalive_s": cfg.keepalive,
+                "detect_s": cfg.detect_s,
             }
         ).encode()
         key = self.keys.master(self.master_id)
@@ -293,6 +303,16 @@ class MasterServer:
             cfg.etcd.cluster,
             f"{len(self.api_keys)} API key(s)" if self.api_keys else "open API (no API keys)",
         )
+        if cfg.detect_s > DEFAULT_DETECT_S:
+            log.warning(
+                "--keepalive %g s + --keepalive-timeout %g s: a cut agent stream is noticed within %.2f s; "
+                "agents that do not read detect_s from this master's etcd key (releases before it was "
+                "added) allow a master 1.75 s only, so after a silent network cut their strict "
+                "handover could hand this master's slots on too early",
+                cfg.keepalive,
+                cfg.keepalive_timeout,
+                cfg.detect_s,
+            )
         self._count_task = asyncio.create_task(self._count_masters(), name="count-masters")
         tune_gc()  # start-up is done: what it allocated is never scanned again
         print(

@@ -115,6 +115,37 @@ def test_a_hung_agent_is_noticed_by_its_master_through_keep_alive(cluster: Local
     cluster.wait_for(lambda: cluster.masters["m1"].shares().get("d1") == 4, timeout=20)
 
 
+def test_a_master_with_a_longer_keepalive_tells_its_agents_how_long(cluster: LocalCluster) -> None:
+    """--keepalive trades CPU for how soon a cut stream is noticed. The agents read the master's
+    detection time from its etcd key and let its slots wait that long; it still notices a hung agent."""
+    cluster.start_master("m1", keepalive=2.0, keepalive_timeout=1.0)
+    cluster.start_agent("d1", "decode", capacity=4)
+    cluster.wait_for(lambda: cluster.masters["m1"].shares().get("d1") == 4, timeout=15)
+    status = cluster.agents["d1"].status()
+    assert status["peer_detect_s"] == pytest.approx(3.1)
+    assert status["masters"]["m1"]["keepalive_s"] == 2.0
+    agent = cluster.agents["d1"]
+    agent.proc.send_signal(signal.SIGSTOP)
+    try:
+
+        def d1_disconnected() -> bool:
+            nodes = cluster.masters["m1"].admission()["nodes"]
+            return not any(n["node_id"] == "d1" and n["connected"] for n in nodes)
+
+        took = cluster.wait_for(d1_disconnected, timeout=30)
+        print(f"\nthe master (--keepalive 2) noticed the stopped agent after {took:.2f}s")
+    finally:
+        agent.proc.send_signal(signal.SIGCONT)
+    cluster.wait_for(lambda: cluster.masters["m1"].shares().get("d1") == 4, timeout=20)
+    bad = subprocess.run(
+        [sys.executable, "-m", "pdmaster", "--etcd", cluster.etcd, "--cluster", cluster.cluster,
+         "--master-id", "m2", "--keepalive", "0.01"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--keepalive" in bad.stderr, bad.stderr[-2000:]
+    assert "Traceback" not in bad.stderr
+
+
 def test_a_killed_master_leaves_at_once_and_a_stopped_one_keeps_its_share_for_the_grace(
     cluster: LocalCluster,
 ) -> None:

@@ -11,6 +11,7 @@ import os
 
 import pytest
 
+from nodeagent.slicing import PEER_DETECT_S, PEER_DETECT_SLACK_S
 from pdcoord.dev.protocol_model import ProtocolSim, SimConfig
 
 SEEDS = int(os.environ.get("PDCOORD_SIM_SEEDS", "200"))
@@ -56,6 +57,24 @@ def test_the_agents_allow_masters_as_long_as_their_keep_alive_needs() -> None:
     cfg = SimConfig(handover="strict", policy="static", chaos_s=20.0, settle_s=5.0, master_detect_s=1.65)
     assert ProtocolSim(dataclasses.replace(cfg, peer_detect_s=1.0), 62).run().violations
     assert not ProtocolSim(cfg, 62).run().violations
+
+
+def test_a_master_with_a_longer_keepalive_is_allowed_what_it_advertises() -> None:
+    """A master with ``--keepalive 3`` notices a cut stream within 4 s and says so in etcd; agents
+    that allow it that (plus slack) keep strict handover exact, agents that allow the default 1.75 s
+    (an older release, which does not read it) do not. Seeds found by searching 40."""
+    cfg = SimConfig(
+        handover="strict",
+        policy="static",
+        chaos_s=20.0,
+        settle_s=5.0,
+        master_detect_s=4.0,
+        agent_detect_s=3.35 + 1.0,  # the agents ping such a master after 3.35 s (master_channel_options)
+        peer_detect_s=4.0 + PEER_DETECT_SLACK_S,
+    )
+    for seed in (17, 18, 19, 0, 1, 2):
+        assert not ProtocolSim(cfg, seed).run().violations, seed
+    assert ProtocolSim(dataclasses.replace(cfg, peer_detect_s=PEER_DETECT_S), 17).run().violations
 
 
 @pytest.mark.parametrize("policy", ["static", "demand"])
