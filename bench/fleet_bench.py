@@ -247,7 +247,7 @@ class Fleet:
         self.profile(signal.SIGUSR1)
         before = self.counters()
         t0 = time.monotonic()
-        self.cluster.start_master(mid)
+        self.cluster.start_master(mid, **({"keepalive": self.args.keepalive} if self.args.keepalive else {}))
         self.live.append(mid)
         held = 0.0
         if self.swarms or self.cluster.agents:  # no fleet yet: nothing to hold
@@ -548,6 +548,7 @@ def main() -> None:
         action="store_true",
         help="each agent its own TCP connection to etcd, as on a fleet (default: one per swarm process)",
     )
+    p.add_argument("--keepalive", type=float, default=0.0, help="the masters' --keepalive (0: theirs)")
     p.add_argument("--processes", type=int, default=0, help="also: N agent processes against 2 masters")
     p.add_argument("--skip-fleet", action="store_true", help="only --processes / --etcd-late")
     p.add_argument(

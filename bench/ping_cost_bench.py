@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from peers import RESULTS, cpu_seconds, environment
 
-from nodeagent.agent import GRPC_CLIENT_OPTIONS
+from nodeagent.agent import GRPC_CLIENT_OPTIONS, master_channel_options
 from pdmaster.server import GRPC_SERVER_OPTIONS
 
 NO_PING_MS = 3_600_000
@@ -111,6 +111,12 @@ def main() -> None:
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--clients", help=argparse.SUPPRESS)
     p.add_argument("--ping-ms", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--keepalive",
+        default="2,5",
+        help="also: masters with these --keepalive values (seconds, comma-separated), the agents' "
+        "pings following as they do against such a master",
+    )
     args = p.parse_args()
     if args.serve:
         asyncio.run(_serve(args.serve, args.ping_ms))
@@ -126,6 +132,10 @@ def main() -> None:
         ("master 1 000 ms (agents' own 1 s timer races it)", 1000, agent_ms),
         ("agents only (1 s), master none", NO_PING_MS, agent_ms),
     ]
+    for k in (float(x) for x in args.keepalive.split(",") if x.strip()):
+        follow_ms = dict(master_channel_options(k))["grpc.keepalive_time_ms"]
+        label = f"master --keepalive {k:g} (agents after {follow_ms} ms)"
+        variants.append((label, round(k * 1000), follow_ms))
     rows = []
     for label, m, a in variants:
         row = {"variant": label, **measure(args.streams, args.window, m, a)}
