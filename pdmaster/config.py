@@ -15,6 +15,9 @@ from pdmaster.validation import Limits
 __all__ = ["ConfigError", "MasterConfig"]
 
 
+# --keepalive, --keepalive-timeout: a cut agent stream is noticed within their sum (1.65 s).
+DEFAULT_KEEPALIVE_S = 0.65
+DEFAULT_KEEPALIVE_TIMEOUT_S = 1.0
 # Pings more often than this buy nothing a network can deliver and cost a core per few hundred agents.
 MIN_KEEPALIVE_S = 0.1
 
@@ -36,8 +39,8 @@ class MasterConfig:
     admin_host: str | None = None
     admin_port: int | None = None  # None: /metrics and /admission stay on the HTTP API port
     grpc_tls: ServerTLS | None = None
-    keepalive: float = 0.65  # ping an agent's stream after this long without a message
-    keepalive_timeout: float = 1.0  # and close it when the ping is not answered in this long
+    keepalive: float = DEFAULT_KEEPALIVE_S  # ping an agent's stream after this long without a message
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT_S  # and close it when not answered by then
     # HTTP API authentication
     api_keys: tuple[str, ...] = ()
     api_keys_file: str | None = None

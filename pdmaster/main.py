@@ -19,6 +19,7 @@ from pdcoord.config import (
 )
 from pdcoord.tls import add_grpc_server_tls_flags
 from pdmaster.admission_controller import add_admission_flags
+from pdmaster.config import DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S
 
 
 def _api_key(text: str) -> str:
@@ -68,14 +69,14 @@ def build_parser() -> EnvArgumentParser:
     g.add_argument(
         "--keepalive",
         type=positive_float,
-        default=0.65,
+        default=DEFAULT_KEEPALIVE_S,
         help="seconds without a message on an agent's stream before this master pings it: how fast a "
         "silently cut agent is noticed, against CPU (pings are most of an idle master's work)",
     )
     g.add_argument(
         "--keepalive-timeout",
         type=positive_float,
-        default=1.0,
+        default=DEFAULT_KEEPALIVE_TIMEOUT_S,
         help="seconds an agent has to answer a ping before its stream is closed",
     )
     add_grpc_server_tls_flags(p)

@@ -25,7 +25,7 @@ from pdcoord.retry import Outage, register_with_retry
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
 from pdmaster.admission_controller import AdmissionController
 from pdmaster.api import ControlRoutes, OpenAIRoutes, api_key_middleware, harden_aiohttp, load_api_keys
-from pdmaster.config import MasterConfig
+from pdmaster.config import DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S, MasterConfig
 from pdmaster.coordination import CoordinationService
 from pdmaster.engine import EnginePool, make_dispatch
 from pdmaster.engine.health import BreakerState, CircuitBreaker, EngineBreakers
@@ -53,7 +53,9 @@ MASTERS_POLL_S = 2.0
 # after a longer silence (``keepalive_s`` in the key), as the master's pings reset their timer.
 # gRPC (1.85) closes a connection on an unanswered ping only after ``grpc.http2.ping_timeout_ms``
 # (default one minute); ``keepalive_timeout_ms`` alone does not.
-def grpc_server_options(keepalive: float = 0.65, keepalive_timeout: float = 1.0) -> list[tuple[str, int]]:
+def grpc_server_options(
+    keepalive: float = DEFAULT_KEEPALIVE_S, keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT_S
+) -> list[tuple[str, int]]:
     return [
         ("grpc.keepalive_time_ms", round(keepalive * 1000)),
         ("grpc.keepalive_timeout_ms", round(keepalive_timeout * 1000)),
@@ -70,7 +72,8 @@ def grpc_server_options(keepalive: float = 0.65, keepalive_timeout: float = 1.0)
 
 
 GRPC_SERVER_OPTIONS = grpc_server_options()
-DEFAULT_DETECT_S = 0.65 + 1.0  # what every agent allows a master at least (PEER_DETECT_S less slack)
+# What every agent allows a master at least (nodeagent.slicing.PEER_DETECT_S less its slack).
+DEFAULT_DETECT_S = DEFAULT_KEEPALIVE_S + DEFAULT_KEEPALIVE_TIMEOUT_S
 
 
 class StartupError(Exception):
