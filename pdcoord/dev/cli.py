@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--keep", action="store_true", help="leave the cluster running and print how to reach it")
     d.add_argument("--seed", type=int, default=1, help="workload random seed")
     d.add_argument("--log-dir", default=None, help="where process logs go (default: a temp dir)")
+    d.add_argument(
+        "--failover-budget",
+        type=positive_float,
+        default=2.0,
+        help="seconds the survivor may take to hold the full capacity after the kill (an invariant)",
+    )
     return p
 
 
