@@ -27,6 +27,7 @@ from pdcoord import __version__
 from pdcoord.config import EtcdSettings
 from pdcoord.etcd import EtcdClient, EtcdError, WatchCompacted
 from pdcoord.gctuning import collect_soon
+from pdcoord.keepalive import DEFAULT_KEEPALIVE_S
 from pdcoord.keys import Keys
 from pdcoord.load import EngineLoad
 from pdcoord.registration import Registration
@@ -55,9 +56,7 @@ GRPC_CLIENT_OPTIONS = [
 ]
 
 # A master's advertised times above this are a broken key, not a configuration (an hour).
-MAX_DETECT_S = 3600.0
-# What a master's etcd key says when it does not say (an older master): its default keep-alive.
-DEFAULT_MASTER_KEEPALIVE_S = 0.65
+MAX_ADVERTISED_S = 3600.0
 # The agent pings a master only after this much longer a silence than the master's own ping period,
 # so that while the master is alive its pings (which reset the agent's timer) are the only ones.
 AGENT_PING_AFTER_MASTER_S = 0.35
@@ -75,7 +74,7 @@ class MasterEntry:
     """What a master's key in etcd tells its agents."""
 
     address: str  # host:port of its gRPC service
-    keepalive_s: float = DEFAULT_MASTER_KEEPALIVE_S
+    keepalive_s: float = DEFAULT_KEEPALIVE_S  # an older master's key does not say: its default
     detect_s: float = 0.0  # how soon it notices a cut stream; 0: not said (PEER_DETECT_S covers it)
 
 
@@ -133,7 +132,7 @@ class AgentConfig:
 class MasterLink:
     master_id: str
     address: str
-    keepalive_s: float = DEFAULT_MASTER_KEEPALIVE_S  # the master's ping period (its etcd key)
+    keepalive_s: float = DEFAULT_KEEPALIVE_S  # the master's ping period (its etcd key)
     task: asyncio.Task[None] | None = None
     call: Any = None
     connected: bool = False
@@ -289,7 +288,7 @@ class NodeAgent:
             timing = {k: doc[k] for k in ("keepalive_s", "detect_s") if k in doc}
             for k, v in timing.items():
                 # bool is an int: refuse it too; a negative or absurd time is a broken key
-                if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= MAX_DETECT_S:
+                if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= MAX_ADVERTISED_S:
                     raise ValueError(f"{k} {v!r}")
             entry = MasterEntry(addr, **{k: float(v) for k, v in timing.items()})
         except (ValueError, KeyError, TypeError) as exc:

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from pdcoord.config import EtcdSettings
+from pdcoord.keepalive import DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S
 from pdcoord.tls import ServerTLS, server_tls_from_args
 from pdmaster.admission import AdmissionPolicy
 from pdmaster.admission_controller import policy_from_args
@@ -15,9 +16,6 @@ from pdmaster.validation import Limits
 __all__ = ["ConfigError", "MasterConfig"]
 
 
-# --keepalive, --keepalive-timeout: a cut agent stream is noticed within their sum (1.65 s).
-DEFAULT_KEEPALIVE_S = 0.65
-DEFAULT_KEEPALIVE_TIMEOUT_S = 1.0
 # Pings more often than this buy nothing a network can deliver and cost a core per few hundred agents.
 MIN_KEEPALIVE_S = 0.1
 

@@ -17,9 +17,9 @@ from pdcoord.config import (
     positive_int,
     setup_logging,
 )
+from pdcoord.keepalive import DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S
 from pdcoord.tls import add_grpc_server_tls_flags
 from pdmaster.admission_controller import add_admission_flags
-from pdmaster.config import DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S
 
 
 def _api_key(text: str) -> str:

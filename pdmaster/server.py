@@ -19,13 +19,14 @@ from prometheus_client import CollectorRegistry
 from pdcoord import __version__
 from pdcoord.etcd import EtcdClient, EtcdError
 from pdcoord.gctuning import tune_gc
+from pdcoord.keepalive import DEFAULT_DETECT_S, DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S
 from pdcoord.keys import Keys
 from pdcoord.registration import AlreadyRegistered, Registration
 from pdcoord.retry import Outage, register_with_retry
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
 from pdmaster.admission_controller import AdmissionController
 from pdmaster.api import ControlRoutes, OpenAIRoutes, api_key_middleware, harden_aiohttp, load_api_keys
-from pdmaster.config import DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S, MasterConfig
+from pdmaster.config import MasterConfig
 from pdmaster.coordination import CoordinationService
 from pdmaster.engine import EnginePool, make_dispatch
 from pdmaster.engine.health import BreakerState, CircuitBreaker, EngineBreakers
@@ -72,8 +73,6 @@ def grpc_server_options(
 
 
 GRPC_SERVER_OPTIONS = grpc_server_options()
-# What every agent allows a master at least (nodeagent.slicing.PEER_DETECT_S less its slack).
-DEFAULT_DETECT_S = DEFAULT_KEEPALIVE_S + DEFAULT_KEEPALIVE_TIMEOUT_S
 
 
 class StartupError(Exception):
