@@ -85,6 +85,13 @@ class Handover:
             # its streams are gone, which their keep-alive does within ``startup_wait_s``.
             self.orphans[STARTUP] = Orphan(capacity, now, 0, now + startup_wait_s)
 
+    def extend_startup_wait(self, seconds: float) -> None:
+        """A master may take longer than ``startup_wait_s`` to notice the previous incarnation's
+        streams are gone: samples release the startup reservation that much later."""
+        startup = self.orphans.get(STARTUP)
+        if startup is not None:
+            startup.not_before += seconds
+
     # -- membership ---------------------------------------------------------------------------
     def include(self, master_id: str) -> None:
         self.holders.setdefault(master_id, Holder())

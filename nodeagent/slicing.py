@@ -11,7 +11,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from nodeagent.handover import STARTUP, Handover
+from nodeagent.handover import Handover
+from pdcoord.keepalive import DEFAULT_DETECT_S
 
 
 def rotation_start(node_id: str, masters: int) -> int:
@@ -137,13 +138,13 @@ FIRST_CONNECT_MIN_S = 5.0
 GONE_SAMPLE_DELAY_S = 0.25
 
 # How long a master may take to notice a dead agent stream: by default its keep-alive ping after
-# 0.65 s without reads, 1 s to answer (pdmaster's --keepalive, --keepalive-timeout), and a little
-# slack. Strict handover frees a departed master's slots only on engine samples taken after this, so
-# it must cover that detection; the grace need not (it only decides when the master leaves the
-# split's targets). A master with longer keep-alive advertises its ``detect_s`` in etcd, and the
-# agent then allows that plus the slack (Slicer.allow_peer_detect); never less than this.
+# 0.65 s without reads and 1 s to answer (pdcoord.keepalive), and a little slack. Strict handover
+# frees a departed master's slots only on engine samples taken after this, so it must cover that
+# detection; the grace need not (it only decides when the master leaves the split's targets). A
+# master with a longer keep-alive advertises its ``detect_s`` in etcd, and the agent then allows
+# that plus the slack (Slicer.allow_peer_detect); never less than this.
 PEER_DETECT_SLACK_S = 0.1
-PEER_DETECT_S = 1.75  # the default 1.65 s + PEER_DETECT_SLACK_S
+PEER_DETECT_S = DEFAULT_DETECT_S + PEER_DETECT_SLACK_S  # 1.75 s
 
 HANDOVER_MODES = ("strict", "fast")
 SHARE_POLICIES = ("static", "demand")
@@ -245,11 +246,8 @@ class Slicer:
         wanted = detect_s + PEER_DETECT_SLACK_S
         if wanted <= self.peer_detect_s:
             return False
-        grown_by = wanted - self.peer_detect_s
+        self._ho.extend_startup_wait(wanted - self.peer_detect_s)
         self.peer_detect_s = wanted
-        startup = self._ho.orphans.get(STARTUP)
-        if startup is not None:
-            startup.not_before += grown_by
         return True
 
     def set_masters(self, master_ids: Iterable[str], now: float, time_ns: int) -> bool:
