@@ -93,12 +93,9 @@ def test_sigkill_and_sigterm_failover_and_join(cluster: LocalCluster) -> None:
     cluster.wait_for(lambda: all(cluster.masters["m1"].epochs()[n] > after_kill[n] for n in CAPS), timeout=10)
 
 
-def test_a_hung_agent_is_noticed_by_its_master_through_keep_alive(cluster: LocalCluster) -> None:
-    """A stopped agent (SIGSTOP: its kernel keeps the connection open, nothing answers) must lose its
-    node on the master within about a second, before any agent's grace could hand its share on.
-    gRPC left such a stream open for a minute unless told its ping timeout."""
-    cluster.start_master("m1")
-    cluster.start_agent("d1", "decode", capacity=4)
+def _stopped_agent_noticed_after(cluster: LocalCluster, timeout: float) -> float:
+    """SIGSTOP agent d1 (its kernel keeps the connection open, nothing answers) and return how long
+    master m1 took to drop its stream; d1 is continued and back at its full share afterwards."""
     cluster.wait_for(lambda: cluster.masters["m1"].shares().get("d1") == 4, timeout=15)
     agent = cluster.agents["d1"]
     agent.proc.send_signal(signal.SIGSTOP)
@@ -108,11 +105,21 @@ def test_a_hung_agent_is_noticed_by_its_master_through_keep_alive(cluster: Local
             nodes = cluster.masters["m1"].admission()["nodes"]
             return not any(n["node_id"] == "d1" and n["connected"] for n in nodes)
 
-        took = cluster.wait_for(d1_disconnected, timeout=20)
-        print(f"\nthe master noticed the stopped agent after {took:.2f}s")
+        took = cluster.wait_for(d1_disconnected, timeout=timeout)
     finally:
         agent.proc.send_signal(signal.SIGCONT)
     cluster.wait_for(lambda: cluster.masters["m1"].shares().get("d1") == 4, timeout=20)
+    return took
+
+
+def test_a_hung_agent_is_noticed_by_its_master_through_keep_alive(cluster: LocalCluster) -> None:
+    """A stopped agent must lose its node on the master within about a second, before any agent's
+    grace could hand its share on. gRPC left such a stream open for a minute unless told its ping
+    timeout."""
+    cluster.start_master("m1")
+    cluster.start_agent("d1", "decode", capacity=4)
+    took = _stopped_agent_noticed_after(cluster, timeout=20)
+    print(f"\nthe master noticed the stopped agent after {took:.2f}s")
 
 
 def test_a_master_with_a_longer_keepalive_tells_its_agents_how_long(cluster: LocalCluster) -> None:
@@ -124,19 +131,8 @@ def test_a_master_with_a_longer_keepalive_tells_its_agents_how_long(cluster: Loc
     status = cluster.agents["d1"].status()
     assert status["peer_detect_s"] == pytest.approx(3.1)
     assert status["masters"]["m1"]["keepalive_s"] == 2.0
-    agent = cluster.agents["d1"]
-    agent.proc.send_signal(signal.SIGSTOP)
-    try:
-
-        def d1_disconnected() -> bool:
-            nodes = cluster.masters["m1"].admission()["nodes"]
-            return not any(n["node_id"] == "d1" and n["connected"] for n in nodes)
-
-        took = cluster.wait_for(d1_disconnected, timeout=30)
-        print(f"\nthe master (--keepalive 2) noticed the stopped agent after {took:.2f}s")
-    finally:
-        agent.proc.send_signal(signal.SIGCONT)
-    cluster.wait_for(lambda: cluster.masters["m1"].shares().get("d1") == 4, timeout=20)
+    took = _stopped_agent_noticed_after(cluster, timeout=30)
+    print(f"\nthe master (--keepalive 2) noticed the stopped agent after {took:.2f}s")
     bad = subprocess.run(
         [sys.executable, "-m", "pdmaster", "--etcd", cluster.etcd, "--cluster", cluster.cluster,
          "--master-id", "m2", "--keepalive", "0.01"],
