@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet_swarm import IDLE_METRICS, node_spec
-from peers import RESULTS, cpu_seconds, environment, pyplot
+from peers import RESULTS, cpu_seconds, cpu_seconds_by_thread, environment, pyplot
 
 from nodeagent.slicing import slice_shares
 from pdcoord.dev.cluster import LocalCluster, Master
@@ -300,10 +300,17 @@ class Fleet:
         time.sleep(self.args.settle)
         msgs0 = {m: messages(mm) for m, mm in masters.items()}
         cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+        threads0 = {m: cpu_seconds_by_thread(mm.proc.pid) for m, mm in masters.items()}
         t0 = time.monotonic()
         time.sleep(window)
         cpu1 = {k: cpu_seconds(p) for k, p in pids.items()}
+        threads1 = {m: cpu_seconds_by_thread(mm.proc.pid) for m, mm in masters.items()}
         dt = time.monotonic() - t0
+        # Where a master's time goes: its interpreter (Python) or gRPC's C-core threads (pings).
+        by_thread = {
+            m: {n: round(100 * (t - threads0[m].get(n, 0.0)) / dt, 2) for n, t in sorted(threads1[m].items())}
+            for m in masters
+        }
         msgs1 = {m: messages(mm) for m, mm in masters.items()}
         cpu = {k: round(100 * (cpu1[k] - cpu0[k]) / dt, 2) for k in pids}
         master_cpu = [cpu[f"master {m}"] for m in masters]
@@ -316,6 +323,7 @@ class Fleet:
             "cpu_percent_of_one_core": cpu,
             "master_cpu_percent_max": max(master_cpu),
             "master_cpu_percent_mean": round(sum(master_cpu) / len(master_cpu), 2),
+            "master_cpu_percent_by_thread": by_thread,
             "master_cpu_percent_per_1000_nodes": round(1000 * max(master_cpu) / self.args.nodes, 2),
             "etcd_cpu_percent": cpu["etcd"],
             "swarm_cpu_percent_total": round(sum(v for k, v in cpu.items() if k.startswith("swarm")), 1),

@@ -50,6 +50,27 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def cpu_seconds_by_thread(pid: int) -> dict[str, float]:
+    """utime+stime of *pid*'s threads, summed by thread name: ``python`` is the interpreter's
+    threads (the event loop among them), ``event_engine`` and the ``grpc``-named ones gRPC's C core,
+    which sends and answers keep-alive pings without the interpreter."""
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                text = f.read().decode()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text[text.rindex(")") + 2 :].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
 def run_loadgen(args: list[str], watch: dict[str, int], timeout: float = 300.0) -> dict[str, Any]:
     """Run the load generator in its own process; CPU seconds of each watched pid between its START
     and END lines."""
