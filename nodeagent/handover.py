@@ -14,6 +14,19 @@ comes back and reports, until the engine's own running count shows that nothing 
 masters' leases is running, or until ``orphan_timeout_s``. A freshly started agent knows nothing of
 leases granted by its previous incarnation, so it starts with the whole node reserved as an orphan
 and lets the first engine sample (or, without a probe, the live masters' first Acks) release it.
+
+Known gap (found with the protocol model and decode-length leases; pinned by the ``known_gap``
+tests). A sample frees orphans down to ``running - Σ live masters' acked active``, which is an upper
+bound on what the orphans run only if every live master's acked count is at most what the engine
+runs for it at the sample. Two things break that: an Ack older than the end of some of that master's
+leases (the engine no longer runs them), and leases still in their prefill (with the vLLM protocol
+the decode engine does not know them yet; with SGLang's they wait for their KV outside the running
+count). A master that crashed is unaffected (the engine cancels its requests, so its orphan is 0);
+one that is cut off or hung while its decodes run on can lose its reservation too early, and the
+node then runs up to that many requests above its capacity until they end. The fix needs a lower
+bound from the masters: an optional Ack field with the fewest leases past their prefill held at any
+moment since the previous Ack, and a sample used only once every live master has answered a report
+sent after it.
 """
 
 from __future__ import annotations

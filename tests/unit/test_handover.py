@@ -451,3 +451,22 @@ def test_demand_join_window_lifts_only_the_newcomer() -> None:
     targets = dict(s.targets)
     assert targets["c"] == 30 and targets["a"] < 30 and targets["b"] > 30
     assert sum(targets.values()) == 90
+
+
+def test_known_gap_an_ack_older_than_a_lease_end_frees_slots_a_departed_master_still_uses() -> None:
+    """Pins a known gap of the release rule (``nodeagent/handover.py``, "Known gap").
+
+    An engine sample frees a departed master's reservation down to ``running - Σ live masters'
+    acked active``. A live master's last Ack can predate the end of some of its leases, which the
+    engine no longer runs, so the difference under-counts what the departed master still runs. When
+    the rule is fixed, turn this round: b's two running leases must stay reserved."""
+    s = started(8, ["a", "b"])
+    s.on_ack("a", s.epoch, 4, 0, 2.0, 10)
+    s.on_ack("b", s.epoch, 4, 0, 2.0, 10)
+    s.stream_down("b", 2.0, 11)  # b is cut off but alive: its leases run on
+    s.tick(3.0, 12)
+    assert s.snapshot()["orphans"] == {"b": 4}
+    # One of a's leases has ended since its Ack, two of b's are still running: the engine runs 3 + 2.
+    s.on_probe(5, 3.1, 3.2, 13)
+    assert s.snapshot()["orphans"] == {"b": 1}  # b runs 2
+    assert s.share_for("a") == 7  # a may use 7 while b's 2 run: 9 of 8 slots

@@ -106,3 +106,22 @@ def test_scheduled_churn_under_skewed_load_keeps_the_invariant_and_converges(pol
         # The dead master's traffic went to the survivors; the drained one took none after it left.
         assert not sim.masters["m1"].alive and not sim.masters["m2"].alive
         assert stats.granted.get("mj", 0) > 0
+
+
+def test_known_gap_decode_length_leases_and_stale_acks_oversubscribe() -> None:
+    """Pins a known gap (``nodeagent/handover.py``, "Known gap"). The scenarios above hold leases
+    for 0.3 s on average, so a departed master's leases have ended before an engine sample may free
+    its slots, and the gap stays hidden. With leases as long as decodes (3 s here, the same offered
+    load) a sample compared with a live master's Ack that predates some of its lease ends frees slots
+    the departed master still uses: seed 9 puts 6 on d2's 5 slots (4 seeds in 100 do; 6 to 8 with
+    10 s leases). When the release rule is fixed, make this a guarantee over many seeds."""
+    cfg = SimConfig(
+        handover="strict",
+        policy="static",
+        chaos_s=20.0,
+        settle_s=15.0,
+        hold_mean_s=3.0,
+        rates=dict.fromkeys(("m1", "m2", "m3"), 4.0),
+    )
+    violations = ProtocolSim(cfg, 9).run().violations
+    assert violations and violations[0][1:] == ("d2", 6)
