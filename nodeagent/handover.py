@@ -24,9 +24,13 @@ the decode engine does not know them yet; with SGLang's they wait for their KV o
 count). A master that crashed is unaffected (the engine cancels its requests, so its orphan is 0);
 one that is cut off or hung while its decodes run on can lose its reservation too early, and the
 node then runs up to that many requests above its capacity until they end. The fix needs a lower
-bound from the masters: an optional Ack field with the fewest leases past their prefill held at any
-moment since the previous Ack, and a sample used only once every live master has answered a report
-sent after it.
+bound from each live master that holds at the sample: an optional Ack field counting the leases the
+master already held (and had sent to the decode engine) at its previous Ack on this stream and still
+holds now. Those were held throughout, so the engine counted them at any sample taken between the
+two Acks, provided the second answers a report sent after the sample came back (by then the master
+has heard of every request the engine ended before it). A smallest count over the interval is not
+enough: one lease ending at the engine just before the sample and another starting just after keep
+the master's count level while the engine's drops.
 """
 
 from __future__ import annotations
