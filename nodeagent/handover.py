@@ -25,17 +25,17 @@ count). A master that crashed is unaffected (the engine cancels its requests, so
 one that is cut off or hung while its decodes run on can lose its reservation too early, and the
 node then runs up to that many requests above its capacity until they end.
 
-What a fix needs (reasoned from the traced violations; neither built nor modelled): a lower bound
-on what each live master runs at the sample. The master can give one in an optional Ack field: its
+What a fix needs (reasoned from the traced violations; neither built nor modelled): a lower bound on
+what each live master runs at the sample. The master can give one in an optional Ack field: its
 slots on the node minus those it granted there since its previous Ack on the stream, i.e. leases
-held throughout. That bound
-holds for a sample taken between the two Acks if the second answers a Report sent after the sample
-came back (the master has then heard of every request the engine ended before it). It is loose by the
-leases that turned over between the two Acks, so they must bracket the sample tightly (an Ack just
-before it, the answer to a poll just after): with a quarter second between them a busy master's
-turnover keeps the reservation from ever reaching 0. A master found gone can keep today's rule (the
-engine cancelled its requests). Leases the decode engine does not count yet (still in prefill under
-the vLLM protocol) stay a residual unless the master counts only leases whose decode has started.
+held throughout. That bound holds for a sample taken between the two Acks if the second answers a
+Report sent after the sample came back (the master has then heard of every request the engine ended
+before it). It is loose by the leases that turned over between the two Acks, so they must bracket
+the sample tightly (an Ack just before it, the answer to a poll just after): with a quarter second
+between them a busy master's turnover keeps the reservation from ever reaching 0. A master found
+gone can keep today's rule (the engine cancelled its requests). Leases the decode engine does not
+count yet (still in prefill under the vLLM protocol) stay a residual unless the master counts only
+leases whose decode has started.
 """
 
 from __future__ import annotations
