@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,8 @@ NODE_VALUE_MIN_GAP_S = 10.0
 CHANNEL_READY_WAIT_S = 5.0
 # Ask a master for an Ack again when its answer to the last report has not come for this long.
 UNANSWERED_REPOLL_S = 5.0
+# Before an engine sample that a strict handover brackets with Acks: how long to wait for them.
+BRACKET_ACK_WAIT_S = 1.0
 # After a link to a master that left is dropped, collect garbage this much later (see _drop_link).
 DROPPED_LINK_GC_S = 1.0
 
@@ -141,6 +144,11 @@ class MasterLink:
     sent_epoch: int = -1
     sent_share: int = -1  # the share in the last Register/Report sent on this stream
     reported_at: float = 0.0  # when the last Report went out
+    # The last Report's seq, and when its writing began: an Ack that echoes that seq answers a
+    # Report sent no earlier (strict handover brackets engine samples with such Acks).
+    report_seq: int = -1
+    report_started_at: float = -math.inf
+    answered_seq: int = -1  # the seq the last Ack echoed
     acked_at: float = 0.0  # when the last Ack came in
     gone_check: asyncio.Task[None] | None = None  # tries the address after the stream broke
 
@@ -166,6 +174,7 @@ class NodeAgent:
         self.seq = 0
         self._kick = asyncio.Event()
         self._probe_wake = asyncio.Event()
+        self._acked = asyncio.Event()  # an Ack came in (for _answers)
         self._load_dirty = False
         self._members: frozenset[str] = frozenset()
         self._last_report = 0.0
@@ -424,7 +433,10 @@ class NodeAgent:
                     link.send_now.clear()
                     link.sent_epoch = self.slicer.epoch
                     link.sent_share = self.slicer.share_for(link.master_id)
-                    await call.write(self._report_msg(link.master_id))
+                    started = time.monotonic()
+                    msg = self._report_msg(link.master_id)
+                    link.report_seq, link.report_started_at = msg.report.seq, started
+                    await call.write(msg)
                     last_sent = self._last_report = link.reported_at = time.monotonic()
             except asyncio.CancelledError:
                 raise
@@ -497,6 +509,9 @@ class NodeAgent:
                     self._changed()
 
     def _on_ack(self, link: MasterLink, ack: pb.Ack) -> bool:
+        answers = link.report_started_at if ack.seq and ack.seq == link.report_seq else -math.inf
+        link.answered_seq = ack.seq
+        self._acked.set()
         return self.slicer.on_ack(
             link.master_id,
             ack.applied_epoch,
@@ -505,7 +520,34 @@ class NodeAgent:
             time.monotonic(),
             time.time_ns(),
             ack.draining,
+            kept=ack.kept_slots if ack.HasField("kept_slots") else None,
+            answers_sent_at=answers,
         )
+
+    def _poll_connected(self) -> list[MasterLink]:
+        """Ask every connected master for an Ack now; the links asked."""
+        links = [link for link in self.links.values() if link.connected]
+        for link in links:
+            link.send_now.set()
+        return links
+
+    async def _answers(self, links: list[MasterLink], since: float, timeout: float) -> None:
+        """Until each of ``links`` answered a Report begun after ``since`` (or left, or timeout)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._acked.clear()
+            waiting = [
+                link
+                for link in links
+                if link.connected
+                and not (link.report_started_at >= since and link.answered_seq == link.report_seq)
+            ]
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._acked.wait()
 
     # -- control loop -------------------------------------------------------------------------
     def _changed(self) -> None:
@@ -611,8 +653,16 @@ class NodeAgent:
                     await self._kick.wait()
 
     async def _probe_loop(self, probe: LoadProbe) -> None:
+        bracket_next = False  # the last sample left slots of a master that may be alive reserved
         while True:
             self._probe_wake.clear()  # before sampling: a wake-up during the sample asks for another
+            # A plain sample first (an idle engine frees everything); Acks around the next ones.
+            bracket = bracket_next and self.slicer.waits_for_bracket
+            if bracket:
+                # A master that may be alive still holds slots here: the sample counts for the live
+                # masters only between an Ack just before it and one just after (Handover.reconsider).
+                asked = time.monotonic()
+                await self._answers(self._poll_connected(), asked, BRACKET_ACK_WAIT_S)
             taken_at = time.monotonic()
             sample = await probe.sample()
             changed = (sample.running, sample.waiting) != (self.load.running, self.load.waiting)
@@ -622,6 +672,9 @@ class NodeAgent:
                 sample.running if sample.probe_ok else None, taken_at, time.monotonic(), time.time_ns()
             ):
                 self._changed()
+            if bracket and sample.probe_ok and self.slicer.waits_for_bracket:
+                self._poll_connected()  # their answers close the bracket
+            bracket_next = sample.probe_ok and self.slicer.waits_for_bracket
             if changed and not self._load_dirty:
                 self._load_dirty = True
                 self._kick.set()

@@ -15,31 +15,30 @@ masters' leases is running, or until ``orphan_timeout_s``. A freshly started age
 leases granted by its previous incarnation, so it starts with the whole node reserved as an orphan
 and lets the first engine sample (or, without a probe, the live masters' first Acks) release it.
 
-Known gap (found with the protocol model and decode-length leases; pinned by the ``known_gap``
-tests). A sample frees orphans down to ``running - Σ live masters' acked active``, which is an upper
-bound on what the orphans run only if every live master's acked count is at most what the engine
-runs for it at the sample. Two things break that: an Ack older than the end of some of that master's
-leases (the engine no longer runs them), and leases still in their prefill (with the vLLM protocol
-the decode engine does not know them yet; with SGLang's they wait for their KV outside the running
-count). A master that crashed is unaffected (the engine cancels its requests, so its orphan is 0);
-one that is cut off or hung while its decodes run on can lose its reservation too early, and the
-node then runs up to that many requests above its capacity until they end.
+How a sample is weighed (``reconsider``). What the orphans may still run is at most the engine's
+count minus what the live masters surely ran at that moment. Their acked active slots are not that:
+an Ack older than the end of some of a master's leases counts leases the engine no longer runs,
+and set against them a sample freed slots that a cut-off master's requests still used (the protocol
+model found it once its leases lasted as long as decodes). So a master sends in every Ack the leases
+it kept since its previous Ack (``kept_slots``: slots now minus those granted since), and for an
+orphan of a master that may be alive a sample counts, per live master, only what it kept between
+an Ack that came in before the sample started and the answer to a Report sent after it came back:
+those leases ran throughout. The agent asks for those two Acks around each sample while such an
+orphan waits (``NodeAgent._probe_loop``); they must be close, or the leases turned over between
+them keep the reservation from reaching 0. Orphans of masters found gone are still set against the
+acked counts: the engine cancelled their requests, and that keeps a killed master's failover one
+sample long.
 
-What a fix needs (reasoned from the traced violations; neither built nor modelled): a lower bound on
-what each live master runs at the sample. The master can give one in an optional Ack field: its
-slots on the node minus those it granted there since its previous Ack on the stream, i.e. leases
-held throughout. That bound holds for a sample taken between the two Acks if the second answers a
-Report sent after the sample came back (the master has then heard of every request the engine ended
-before it). It is loose by the leases that turned over between the two Acks, so they must bracket
-the sample tightly (an Ack just before it, the answer to a poll just after): with a quarter second
-between them a busy master's turnover keeps the reservation from ever reaching 0. A master found
-gone can keep today's rule (the engine cancelled its requests). Leases the decode engine does not
-count yet (still in prefill under the vLLM protocol) stay a residual unless the master counts only
-leases whose decode has started.
+Known gap. Masters of an earlier release send no ``kept_slots``; their acked counts stand in as
+before, so with them the stale-Ack case above remains (pinned by the ``known_gap`` tests). And a
+lease the decode engine does not count yet (in its prefill under the vLLM protocol; under SGLang's
+waiting for its KV outside the running count) but kept across both Acks is counted as running: the
+bound is exact only once the master counts just the leases whose decode has started.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -58,6 +57,12 @@ class Holder:
     active: int = 0
     wanted: int = 0
     acked: bool = False
+    # Ack.kept_slots of the last Ack: leases held since the Ack before it. None: this master never
+    # sent it (an earlier release), and its acked active slots stand in as before.
+    kept: int | None = None
+    acked_at: float = -math.inf  # when the last Ack came in
+    prev_acked_at: float = math.inf  # when the Ack before it came in
+    answers_sent_at: float = -math.inf  # when the Report the last Ack answers was sent
 
     @property
     def hold(self) -> int:
@@ -80,6 +85,18 @@ class Orphan:
     epoch: int  # the node epoch when it left: a later applied_epoch means it saw its grant of 0
     # Engine samples before this time cannot release it (see ``startup_wait_s``).
     not_before: float = 0.0
+    # Its process was found gone: the engine cancelled its requests, so the live masters' acked
+    # counts may be set against a sample as they are (see :meth:`Handover.probe`).
+    gone: bool = False
+
+
+@dataclass(frozen=True)
+class Sample:
+    """An engine sample: ``running`` requests, started at ``taken_at``, answered at ``done_at``."""
+
+    running: int
+    taken_at: float
+    done_at: float
 
 
 class Handover:
@@ -102,6 +119,7 @@ class Handover:
         self.probe_failing = False
         self.holders: dict[str, Holder] = {}
         self.orphans: dict[str, Orphan] = {}
+        self.sample: Sample | None = None  # the latest; Acks that bracket it may release more
         if strict:
             # Masters still attached to the previous incarnation keep their shares until they notice
             # its streams are gone, which their keep-alive does within ``startup_wait_s``.
@@ -119,7 +137,13 @@ class Handover:
         self.holders.setdefault(master_id, Holder())
 
     def exclude(
-        self, master_id: str, now: float, epoch: int, not_before: float = 0.0, draining: bool = False
+        self,
+        master_id: str,
+        now: float,
+        epoch: int,
+        not_before: float = 0.0,
+        draining: bool = False,
+        gone: bool = False,
     ) -> None:
         """The master left the split; what it may still use stays reserved.
 
@@ -137,7 +161,13 @@ class Handover:
             slots = max(slots, old.slots)
             not_before = max(not_before, old.not_before)
         if slots > 0:
-            self.orphans[master_id] = Orphan(slots, now, epoch, not_before)
+            self.orphans[master_id] = Orphan(slots, now, epoch, not_before, gone)
+
+    def mark_gone(self, master_id: str) -> None:
+        """The departed master's process is gone (its address refuses connections)."""
+        o = self.orphans.get(master_id)
+        if o is not None:
+            o.gone = True
 
     def hold_orphan(self, master_id: str, not_before: float) -> None:
         """No engine sample taken before ``not_before`` may release this master's orphan."""
@@ -147,8 +177,19 @@ class Handover:
 
     # -- inputs -------------------------------------------------------------------------------
     def ack(
-        self, master_id: str, applied_epoch: int, active: int, wanted: int, draining: bool = False
+        self,
+        master_id: str,
+        applied_epoch: int,
+        active: int,
+        wanted: int,
+        draining: bool = False,
+        *,
+        kept: int | None = None,
+        now: float | None = None,
+        answers_sent_at: float = -math.inf,
     ) -> None:
+        """``kept``: the Ack's kept_slots (None when absent); ``now``: when it came in;
+        ``answers_sent_at``: when the Report it answers was sent (-inf: not known)."""
         h = self.holders.get(master_id)
         if h is None:
             o = self.orphans.get(master_id)
@@ -168,26 +209,80 @@ class Handover:
         del h.issued[:keep_from]
         h.applied_epoch = max(h.applied_epoch, applied_epoch)
         h.active, h.wanted, h.acked = active, wanted, True
+        h.kept = None if kept is None else min(kept, active)
+        if now is not None:
+            h.prev_acked_at, h.acked_at = h.acked_at, now
+        h.answers_sent_at = answers_sent_at
         # A returning master reports the truth: what was reserved for it is now its bound.
         self.orphans.pop(master_id, None)
 
-    def probe(self, running: int | None, taken_at: float, reachable: Iterable[str] = ()) -> None:
-        """An engine sample started at ``taken_at``; ``None`` when the probe failed.
+    def probe(
+        self,
+        running: int | None,
+        taken_at: float,
+        reachable: Iterable[str] = (),
+        done_at: float | None = None,
+    ) -> None:
+        """An engine sample started at ``taken_at`` and answered at ``done_at``; ``None`` when the
+        probe failed.
 
         Orphans of masters still connected (``reachable``: a draining master finishing its last
         leases) are left to their own Acks, which are exact; the engine's count cannot tell whose
-        requests are running, so it may only release the others, all together.
+        requests are running, so it may only release the others, all together. The sample is kept:
+        Acks that arrive later and bracket it (:meth:`reconsider`) may release more.
         """
         self.probe_failing = running is None
-        if running is None or not self.orphans:
+        if running is None:
             return
-        if any(o.since > taken_at or o.not_before > taken_at for o in self.orphans.values()):
+        self.sample = Sample(running, taken_at, taken_at if done_at is None else done_at)
+        self._release(reachable, at_sample=True)
+
+    def reconsider(self, reachable: Iterable[str] = ()) -> None:
+        """Acks came in after the latest sample: those that bracket it may release more."""
+        self._release(reachable, at_sample=False)
+
+    def _release(self, reachable: Iterable[str], at_sample: bool) -> None:
+        """Release what the latest sample shows free, with what is known of the live masters.
+
+        What the orphans of masters that may be alive still run is at most the sample's count minus
+        what the live masters surely ran at it (:meth:`_surely_running`). Orphans of masters found
+        gone (their requests were cancelled with their connections) are set against the live
+        masters' acked active slots instead, as all orphans were before masters sent kept_slots: an
+        Ack older than some of a master's lease ends over-counts it, which can free slots that a
+        cut-off master's requests still use (the known gap above) but not a dead one's.
+        """
+        s = self.sample
+        if s is None or not self.orphans:
+            return
+        if any(o.since > s.taken_at or o.not_before > s.taken_at for o in self.orphans.values()):
             return  # an orphan newer than the sample: the sample may predate its leases ending
-        live = sum(h.active for h in self.holders.values())
-        cap = max(0, running - live)
         candidates = self._releasable(reachable)
-        total = sum(self.orphans[m].slots for m in candidates)
-        for mid in candidates:
+        surely = sum(self._surely_running(h, s, at_sample) for h in self.holders.values())
+        alive = [m for m in candidates if not self.orphans[m].gone]
+        self._cut(alive, max(0, s.running - surely))
+        if at_sample:
+            gone = [m for m in candidates if m in self.orphans and self.orphans[m].gone]
+            others = sum(self.orphans[m].slots for m in alive if m in self.orphans)
+            acked = sum(h.active for h in self.holders.values())
+            self._cut(gone, max(0, s.running - acked - others))
+
+    @staticmethod
+    def _surely_running(h: Holder, s: Sample, at_sample: bool) -> int:
+        """Slots this live master surely ran at sample ``s``. One that sends kept_slots: its kept
+        leases once its last two Acks bracket the sample (the one before came in before the sample
+        started, the last answers a Report sent after it came back), else nothing. One of an
+        earlier release: its acked active slots, when the sample is new (as before; see the known
+        gap), and nothing when weighing an older sample again."""
+        if h.kept is None:
+            return h.active if at_sample else 0
+        if h.prev_acked_at < s.taken_at and h.answers_sent_at >= s.done_at:
+            return h.kept
+        return 0
+
+    def _cut(self, mids: list[str], cap: int) -> None:
+        """Lower these orphans, in order, until together they fit in ``cap``."""
+        total = sum(self.orphans[m].slots for m in mids)
+        for mid in mids:
             if total <= cap:
                 break
             o = self.orphans[mid]
@@ -196,6 +291,11 @@ class Handover:
             total -= cut
             if o.slots == 0:
                 del self.orphans[mid]
+
+    def waits_for_bracket(self, reachable: Iterable[str]) -> bool:
+        """Some reserved slots of a master that may be alive wait for a sample that the live
+        masters' Acks bracket (see :meth:`reconsider`): worth polling them around each sample."""
+        return any(not self.orphans[m].gone for m in self._releasable(reachable))
 
     def expire(self, now: float, members: Iterable[str]) -> bool:
         """Release orphans past the timeout, and the startup reservation once it is known."""

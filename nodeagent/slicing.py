@@ -312,6 +312,7 @@ class Slicer:
         o = self._ho.orphans.get(master_id)
         if o is not None:  # it left the split earlier (it drained): nothing new starts there now
             o.not_before = min(o.not_before, self._samples_count_from(master_id, now))
+            self._ho.mark_gone(master_id)
         return self._recompute(now, time_ns)
 
     def _samples_count_from(self, master_id: str, now: float) -> float:
@@ -334,8 +335,14 @@ class Slicer:
         now: float,
         time_ns: int,
         draining: bool = False,
+        *,
+        kept: int | None = None,
+        answers_sent_at: float = -math.inf,
     ) -> bool:
         """A master's Ack: what it holds, runs and wants here. True when the grants changed.
+
+        ``kept``: its kept_slots (None when the Ack has none); ``answers_sent_at``: when the Report
+        it answers was sent. With them the latest engine sample is weighed again.
 
         A master that drains with an empty queue leaves the split at once: it takes no new work, so
         its share can move to the others as its last leases end (reported in its next Acks).
@@ -346,14 +353,24 @@ class Slicer:
             self._draining.discard(master_id)
         h = self._ho.holders.get(master_id)
         before = h.demand if h is not None else None
-        self._ho.ack(master_id, applied_epoch, active, wanted, draining)
+        self._ho.ack(
+            master_id,
+            applied_epoch,
+            active,
+            wanted,
+            draining,
+            kept=kept,
+            now=now,
+            answers_sent_at=answers_sent_at,
+        )
         if h is not None and h.demand != before:
             self._rebalance_due = True
+        self._ho.reconsider(self._reachable())
         return self._recompute(now, time_ns)
 
     def on_probe(self, running: int | None, taken_at: float, now: float, time_ns: int) -> bool:
         """The engine's running count from a sample started at ``taken_at`` (None: probe failed)."""
-        self._ho.probe(running, taken_at, self._reachable())
+        self._ho.probe(running, taken_at, self._reachable(), done_at=now)
         return self._recompute(now, time_ns)
 
     def set_capacity(self, capacity: int, now: float, time_ns: int) -> bool:
@@ -441,6 +458,12 @@ class Slicer:
         it; a join or a drain moves on by the masters' own Acks."""
         return self.handover_pending and self._ho.waits_for_sample(self._reachable())
 
+    @property
+    def waits_for_bracket(self) -> bool:
+        """A sample can free slots of a master that may still be alive only with Acks just before and
+        just after it: the live masters are worth polling around each sample."""
+        return self.waits_for_engine and self._ho.waits_for_bracket(self._reachable())
+
     def _reachable(self) -> list[str]:
         return [m for m, v in self.views.items() if v.connected]
 
@@ -520,7 +543,9 @@ class Slicer:
                 # down) may not have noticed yet that it lost this node.
                 not_before = self._samples_count_from(mid, now)
                 draining = mid in self._draining
-                self._ho.exclude(mid, now, self.epoch, now if draining else not_before, draining)
+                left = self.views.get(mid)
+                gone = left is not None and left.gone_at is not None
+                self._ho.exclude(mid, now, self.epoch, now if draining else not_before, draining, gone)
             for mid in members:
                 self._ho.include(mid)
             old = set(self._members)

@@ -465,6 +465,9 @@ class AdmissionCore:
         self._share_counts: dict[int, int] = {}
         self._full_counts: dict[int, int] = {}
         self._active: dict[str, int] = {}
+        # Slots ever granted per node (only grows): an Ack's kept_slots is the active slots minus
+        # those granted since the previous Ack.
+        self._granted_on: dict[str, int] = {}
         self._node_ver: dict[str, int] = {}
         self._ver = 0
         self._free_heap: list[tuple[int, str, int]] = []  # (-free, node, ver)
@@ -523,6 +526,10 @@ class AdmissionCore:
 
     def active_on(self, node: str) -> int:
         return self._active.get(node, 0)
+
+    def granted_on(self, node: str) -> int:
+        """Slots granted on ``node`` since this core started (only grows)."""
+        return self._granted_on.get(node, 0)
 
     def wanted_slots(self) -> int:
         """Queued demand in slots (what the master reports to agents as ``wanted_slots``)."""
@@ -1009,6 +1016,7 @@ class AdmissionCore:
         t.granted_at = now
         if node is not None:
             self._active[node] = self._active.get(node, 0) + t.slots
+            self._granted_on[node] = self._granted_on.get(node, 0) + t.slots
             self._touch_node(node)
         self._active_total += t.slots
         self._outcomes[t.request_class][GRANTED] += 1

@@ -278,6 +278,9 @@ class AdmissionController:
     def active_on(self, node: str) -> int:
         return self.core.active_on(node)
 
+    def granted_on(self, node: str) -> int:
+        return self.core.granted_on(node)
+
     def wanted_slots(self) -> int:
         return self.core.wanted_slots()
 

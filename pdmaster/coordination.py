@@ -15,7 +15,7 @@ from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
 from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import MasterMetrics
 from pdmaster.ratelimit import TokenBucket
-from pdmaster.registry import DECODE, PREFILL, NodeRegistry, ProtocolError
+from pdmaster.registry import DECODE, PREFILL, NodeRegistry, ProtocolError, kept_slots
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,8 @@ _ROLES = {pb.PREFILL: PREFILL, pb.DECODE: DECODE}
 SlotsProvider = Callable[[str], tuple[int, int]]
 # (node_id, down): the agent's verdict on its engine flipped.
 EngineListener = Callable[[str, bool], None]
+# Slots this master has ever granted on a node (only grows): for the Ack's kept_slots.
+GrantedProvider = Callable[[str], int]
 
 
 def _no_slots(_node_id: str) -> tuple[int, int]:
@@ -42,8 +44,10 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         slots: SlotsProvider = _no_slots,
         max_reports_per_s: float = 50.0,
         on_engine: EngineListener | None = None,
+        granted: GrantedProvider | None = None,
     ) -> None:
         self.on_engine = on_engine
+        self.granted = granted  # None: Acks without kept_slots (as masters of earlier releases)
         self.master_id = master_id
         self.registry = registry
         self.metrics = metrics
@@ -51,18 +55,23 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         self.max_reports_per_s = max_reports_per_s
         self.lifecycle = lifecycle if lifecycle is not None else Lifecycle()
 
-    def _ack(self, node_id: str, epoch: int, seq: int) -> pb.MasterMessage:
+    def _ack(self, node_id: str, epoch: int, seq: int, mark: list[int]) -> pb.MasterMessage:
+        """``mark``: the node's slots-granted count at this stream's previous Ack (empty before the
+        first); updated here."""
         active, wanted = self.slots(node_id)
-        return pb.MasterMessage(
-            ack=pb.Ack(
-                master_id=self.master_id,
-                applied_epoch=epoch,
-                active_slots=active,
-                wanted_slots=wanted,
-                seq=seq,
-                draining=self.lifecycle.draining,
-            )
+        ack = pb.Ack(
+            master_id=self.master_id,
+            applied_epoch=epoch,
+            active_slots=active,
+            wanted_slots=wanted,
+            seq=seq,
+            draining=self.lifecycle.draining,
         )
+        if self.granted is not None:
+            granted = self.granted(node_id)
+            ack.kept_slots = kept_slots(active, granted, mark[0] if mark else None)
+            mark[:] = [granted]
+        return pb.MasterMessage(ack=ack)
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: str, message: str) -> None:
         self.metrics.protocol_rejections.labels(reason=code.lower()).inc()
@@ -130,7 +139,8 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         try:
             acks_sent.inc()
             self.registry.flush()
-            yield self._ack(node_id, node.epoch, 0)
+            mark: list[int] = []
+            yield self._ack(node_id, node.epoch, 0, mark)
             bucket = TokenBucket(self.max_reports_per_s)
             async for msg in request_iterator:
                 # every message counts, so a flood of empty or unknown ones is refused too
@@ -184,7 +194,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                 self.metrics.observe_node(self.registry, node_id)
                 acks_sent.inc()
                 self.registry.flush()
-                yield self._ack(node_id, self.registry.nodes[node_id].epoch, rep.seq)
+                yield self._ack(node_id, self.registry.nodes[node_id].epoch, rep.seq, mark)
         finally:
             self.registry.disconnect(node_id, stream)
             self.metrics.observe_node(self.registry, node_id)

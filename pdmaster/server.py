@@ -113,6 +113,7 @@ class MasterServer:
             slots=self._slots,
             max_reports_per_s=cfg.max_reports_per_s,
             on_engine=self._on_agent_engine,
+            granted=lambda node: self.admission.granted_on(node),
         )
         self.breakers = EngineBreakers(cfg.breaker, on_change=self._on_breaker)
         self.request_metrics = RequestMetrics(self.metrics_registry)

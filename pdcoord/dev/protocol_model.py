@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nodeagent.slicing import PEER_DETECT_S, SharePolicy, Slicer
 from pdmaster.admission import AdmissionCore, AdmissionPolicy, RequestClass, Ticket, TicketState
-from pdmaster.registry import DECODE, NodeRegistry, ProtocolError, ShareChanges, split_changes
+from pdmaster.registry import DECODE, NodeRegistry, ProtocolError, ShareChanges, kept_slots, split_changes
 
 
 @dataclass
@@ -58,6 +59,8 @@ class SimConfig:
     watch_delay_s: tuple[float, float] = (0.001, 0.05)
     drain_timeout_s: float = 10.0
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    # Masters send Ack.kept_slots (this release); False: as masters of earlier releases.
+    kept_acks: bool = True
     # Masters started at the beginning (default: all of ``masters``); the others start by churn.
     start_masters: tuple[str, ...] | None = None
     # Scheduled churn after the warm-up: (time, "join" | "drain" | "die", master), time in seconds
@@ -84,6 +87,7 @@ class Stream:
     token: int | None = None  # registry stream token, once the master admitted the Register
     a2m_last: float = 0.0  # FIFO: a message is delivered no earlier than the previous one
     m2a_last: float = 0.0
+    kept_mark: int | None = None  # the master's slots-granted count at its previous Ack here
 
 
 @dataclass
@@ -93,6 +97,9 @@ class Link:
     up: bool = False
     next_report: float = 0.0
     backoff: float = 0.1
+    report_seq: int = -1  # the last Report sent, and when (NodeAgent's MasterLink)
+    report_sent_at: float = -math.inf
+    answered_seq: int = -1
 
 
 @dataclass
@@ -106,6 +113,8 @@ class SimAgent:
     etcd_view: set[str] = field(default_factory=set)
     seq: int = 0
     watch_last: float = 0.0  # etcd watch events arrive in order
+    bracket_next: bool = False  # the next engine sample gets Acks around it (NodeAgent._probe_loop)
+    polled: list[Link] | None = None  # the links asked before a bracketed sample, until it is taken
 
 
 @dataclass
@@ -558,14 +567,21 @@ class ProtocolSim:
         active = m.core.active_on(s.node)
         live = max(1, len(m.registry.live(DECODE)))
         wanted = -(-m.core.wanted_slots() // live)
-        self._send_m2a(s, node.epoch, active, wanted, m.draining)
+        kept = None
+        if self.cfg.kept_acks:
+            granted = m.core.granted_on(s.node)
+            kept = kept_slots(active, granted, s.kept_mark)
+            s.kept_mark = granted
+        self._send_m2a(s, node.epoch, active, wanted, m.draining, seq, kept)
 
-    def _send_m2a(self, s: Stream, epoch: int, active: int, wanted: int, draining: bool) -> None:
+    def _send_m2a(
+        self, s: Stream, epoch: int, active: int, wanted: int, draining: bool, seq: int, kept: int | None
+    ) -> None:
         if s.cut:
             return
         t = max(self.now + self.delay(), s.m2a_last)
         s.m2a_last = t
-        self.at(t, lambda: self.agent_receive(s, epoch, active, wanted, draining))
+        self.at(t, lambda: self.agent_receive(s, epoch, active, wanted, draining, seq, kept))
 
     # -- agents -------------------------------------------------------------------------------
     def agent_start(self, a: SimAgent) -> None:
@@ -574,6 +590,7 @@ class ProtocolSim:
         a.inc += 1
         a.alive = True
         a.links = {}
+        a.polled, a.bracket_next = None, False
         a.slicer = Slicer(
             node_id=a.node,
             capacity=a.capacity,
@@ -654,13 +671,25 @@ class ProtocolSim:
         if s is None or s.cut or not s.agent_open or a.slicer is None:
             return
         a.seq += 1
+        seq = a.seq
+        if kind == "report":
+            link.report_seq, link.report_sent_at = seq, self.now
         grant = (a.slicer.share_for(link.master), a.slicer.epoch)
         link.next_report = self.now + (self.cfg.poll_s if a.slicer.handover_pending else self.cfg.report_s)
         t = max(self.now + self.delay(), s.a2m_last)
         s.a2m_last = t
-        self.at(t, lambda: self.master_receive(s, kind, grant, a.seq))
+        self.at(t, lambda: self.master_receive(s, kind, grant, seq if kind == "report" else 0))
 
-    def agent_receive(self, s: Stream, epoch: int, active: int, wanted: int, draining: bool = False) -> None:
+    def agent_receive(
+        self,
+        s: Stream,
+        epoch: int,
+        active: int,
+        wanted: int,
+        draining: bool = False,
+        seq: int = 0,
+        kept: int | None = None,
+    ) -> None:
         a = self.agents[s.node]
         if s.cut or not a.alive or a.inc != s.agent_inc or not s.agent_open or a.slicer is None:
             return
@@ -672,9 +701,23 @@ class ProtocolSim:
             link.up = True
             link.backoff = 0.1
             changed |= a.slicer.stream_up(s.master, self.now, self.time_ns())
-        changed |= a.slicer.on_ack(s.master, epoch, active, wanted, self.now, self.time_ns(), draining)
+        answers = link.report_sent_at if seq and seq == link.report_seq else -math.inf
+        link.answered_seq = seq
+        changed |= a.slicer.on_ack(
+            s.master,
+            epoch,
+            active,
+            wanted,
+            self.now,
+            self.time_ns(),
+            draining,
+            kept=kept,
+            answers_sent_at=answers,
+        )
         if changed:
             self._changed(a)
+        if a.polled is not None and all(not x.up or x.answered_seq == x.report_seq for x in a.polled):
+            self.agent_sample(a)
 
     def agent_stream_closed(self, s: Stream) -> None:
         a = self.agents[s.node]
@@ -716,6 +759,22 @@ class ProtocolSim:
 
     def agent_probe(self, a: SimAgent) -> None:
         self.after(self.cfg.probe_s, lambda: self.agent_probe(a))
+        if not a.alive or a.slicer is None or a.polled is not None:
+            return
+        if a.bracket_next and a.slicer.waits_for_bracket:
+            # As NodeAgent._probe_loop: Acks from every connected master first, then the sample.
+            a.polled = [link for link in a.links.values() if link.up]
+            for link in a.polled:
+                self.agent_send(a, link, "report")
+            inc = a.inc
+            self.after(1.0, lambda: self.agent_sample(a) if a.inc == inc and a.polled is not None else None)
+            if not a.polled:
+                self.agent_sample(a)
+            return
+        self.agent_sample(a, bracket=False)
+
+    def agent_sample(self, a: SimAgent, bracket: bool = True) -> None:
+        a.polled = None
         if not a.alive or a.slicer is None:
             return
         taken = self.now
@@ -726,8 +785,17 @@ class ProtocolSim:
 
         def deliver() -> None:
             alive = a.alive and a.inc == inc and a.slicer is not None
-            if alive and a.slicer.on_probe(running, taken, self.now, self.time_ns()):  # type: ignore[union-attr]
+            if not alive:
+                return
+            assert a.slicer is not None
+            if a.slicer.on_probe(running, taken, self.now, self.time_ns()):
                 self._changed(a)
+            waits = a.slicer.waits_for_bracket
+            if bracket and waits:
+                for link in a.links.values():
+                    if link.up:
+                        self.agent_send(a, link, "report")  # their answers close the bracket
+            a.bracket_next = waits
 
         self.after(self.delay(), deliver)
 

@@ -98,20 +98,22 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., report: _Optional[_Union[Report, _Mapping]] = ..., leaving: _Optional[_Union[Leaving, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("master_id", "applied_epoch", "active_slots", "wanted_slots", "seq", "draining")
+    __slots__ = ("master_id", "applied_epoch", "active_slots", "wanted_slots", "seq", "draining", "kept_slots")
     MASTER_ID_FIELD_NUMBER: _ClassVar[int]
     APPLIED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     WANTED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    KEPT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     master_id: str
     applied_epoch: int
     active_slots: int
     wanted_slots: int
     seq: int
     draining: bool
-    def __init__(self, master_id: _Optional[str] = ..., applied_epoch: _Optional[int] = ..., active_slots: _Optional[int] = ..., wanted_slots: _Optional[int] = ..., seq: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    kept_slots: int
+    def __init__(self, master_id: _Optional[str] = ..., applied_epoch: _Optional[int] = ..., active_slots: _Optional[int] = ..., wanted_slots: _Optional[int] = ..., seq: _Optional[int] = ..., draining: _Optional[bool] = ..., kept_slots: _Optional[int] = ...) -> None: ...
 
 class MasterMessage(_message.Message):
     __slots__ = ("ack",)

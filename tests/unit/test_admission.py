@@ -660,3 +660,19 @@ def test_queue_bound_keeps_the_even_part_when_a_demand_split_shrinks_the_share()
     assert [t.state for t in later[:4]] == [Q] * 4 and later[4].reason.code == "queue_full"  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="masters"):
         core.set_masters(-1)
+
+
+def test_granted_on_counts_every_slot_ever_granted_on_a_node() -> None:
+    """An Ack's kept_slots is the slots held now minus those granted since the previous Ack: the
+    count must only grow, gangs counting each slot, releases leaving it alone."""
+    core = make({"d1": 2, "d2": 2})
+    first = core.submit(1, COLD)
+    node = first.node
+    assert node is not None and core.granted_on(node) == 1
+    core.release(first)
+    gang = core.submit(2, COLD)
+    assert gang.state is G and gang.node is not None
+    assert core.granted_on(gang.node) == (3 if gang.node == node else 2)
+    core.release(gang)
+    assert core.granted_on(gang.node) == (3 if gang.node == node else 2)
+    assert core.granted_on("elsewhere") == 0

@@ -453,20 +453,63 @@ def test_demand_join_window_lifts_only_the_newcomer() -> None:
     assert sum(targets.values()) == 90
 
 
-def test_known_gap_an_ack_older_than_a_lease_end_frees_slots_a_departed_master_still_uses() -> None:
-    """Pins a known gap of the release rule (``nodeagent/handover.py``, "Known gap").
-
-    An engine sample frees a departed master's reservation down to ``running - Σ live masters'
-    acked active``. A live master's last Ack can predate the end of some of its leases, which the
-    engine no longer runs, so the difference under-counts what the departed master still runs. When
-    the rule is fixed, turn this round: b's two running leases must stay reserved."""
+def _cut_off_b_while_a_turns_over(kept: bool) -> Slicer:
+    """a and b each run 4 of 8 slots; b is cut off (alive, its leases run on) and leaves the split.
+    By the engine sample at 3.1 one of a's leases has ended and two of b's still run: 3 + 2."""
     s = started(8, ["a", "b"])
-    s.on_ack("a", s.epoch, 4, 0, 2.0, 10)
-    s.on_ack("b", s.epoch, 4, 0, 2.0, 10)
-    s.stream_down("b", 2.0, 11)  # b is cut off but alive: its leases run on
+    for m in ("a", "b"):
+        s.on_ack(m, s.epoch, 4, 0, 2.0, 10, kept=4 if kept else None, answers_sent_at=1.9)
+    s.stream_down("b", 2.0, 11)
     s.tick(3.0, 12)
     assert s.snapshot()["orphans"] == {"b": 4}
-    # One of a's leases has ended since its Ack, two of b's are still running: the engine runs 3 + 2.
-    s.on_probe(5, 3.1, 3.2, 13)
-    assert s.snapshot()["orphans"] == {"b": 1}  # b runs 2
-    assert s.share_for("a") == 7  # a may use 7 while b's 2 run: 9 of 8 slots
+    s.on_probe(5, 3.1, 3.15, 13)
+    return s
+
+
+def test_known_gap_a_master_of_an_earlier_release_with_an_ack_older_than_a_lease_end() -> None:
+    """Pins the gap that remains with masters that send no kept_slots (``nodeagent/handover.py``,
+    "Known gap"): their last acked count stands in, and it predates the end of one of a's leases, so
+    the sample frees slots b still uses. b runs 2, but only 1 stays reserved, and a may use 7: 9 of 8."""
+    s = _cut_off_b_while_a_turns_over(kept=False)
+    assert s.snapshot()["orphans"] == {"b": 1}
+    assert s.share_for("a") == 7
+
+
+def test_a_sample_counts_only_the_leases_a_master_kept_between_acks_around_it() -> None:
+    """With kept_slots the same sample frees nothing on its own (no Ack after it yet); a's answer to a
+    Report sent after the sample came back says it kept 3 leases since its Ack before the sample, so
+    b may run at most 5 - 3 = 2: exactly what it runs, and a grows only to 6."""
+    s = _cut_off_b_while_a_turns_over(kept=True)
+    assert s.snapshot()["orphans"] == {"b": 4}
+    assert s.waits_for_bracket
+    assert s.on_ack("a", s.epoch, 3, 0, 3.3, 14, kept=3, answers_sent_at=3.2)
+    assert s.snapshot()["orphans"] == {"b": 2}
+    assert s.share_for("a") == 6
+
+
+def test_acks_that_do_not_bracket_the_sample_free_nothing() -> None:
+    """An Ack that answers a Report sent before the sample came back, or whose predecessor came in
+    after the sample started, may count leases the engine did not run at it."""
+    s = _cut_off_b_while_a_turns_over(kept=True)
+    s.on_ack("a", s.epoch, 3, 0, 3.12, 14, kept=3, answers_sent_at=3.11)  # sent during the sample
+    assert s.snapshot()["orphans"] == {"b": 4}
+    s.on_ack("a", s.epoch, 3, 0, 3.3, 15, kept=3, answers_sent_at=3.2)  # its predecessor: after 3.1
+    assert s.snapshot()["orphans"] == {"b": 4}
+    # The next sample, between the Ack at 3.3 and the answer to a Report sent after it, does.
+    s.on_probe(5, 3.4, 3.45, 16)
+    assert s.on_ack("a", s.epoch, 3, 0, 3.6, 17, kept=3, answers_sent_at=3.5)
+    assert s.snapshot()["orphans"] == {"b": 2}
+
+
+def test_a_gone_master_s_slots_follow_the_acked_counts_without_waiting_for_a_bracket() -> None:
+    """A master whose address refuses connections is dead and the engine cancelled its requests: a
+    sample against the live masters' acked counts frees its slots at once, as before kept_slots."""
+    s = started(8, ["a", "b"])
+    for m in ("a", "b"):
+        s.on_ack(m, s.epoch, 4, 0, 2.0, 10, kept=4, answers_sent_at=1.9)
+    s.stream_down("b", 2.0, 11)
+    assert s.master_gone("b", 2.01, 12)
+    assert s.snapshot()["orphans"] == {"b": 4}
+    assert not s.waits_for_bracket
+    s.on_probe(4, 2.01 + GONE_SAMPLE_DELAY_S, 2.3, 13)
+    assert dict(s.shares) == {"a": 8}

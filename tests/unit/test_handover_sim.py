@@ -53,8 +53,12 @@ def test_the_agents_allow_masters_as_long_as_their_keep_alive_needs() -> None:
     """Strict handover frees a departed master's slots only on engine samples taken after the master
     could have noticed the lost stream (``peer_detect_s``). Allowing the previous second against
     today's detection (up to 1.65 s) oversubscribes in this scenario (two partitions, crashes,
-    leaves); the default allowance does not. Found by searching 100 seeds; it keeps the check seeing."""
-    cfg = SimConfig(handover="strict", policy="static", chaos_s=20.0, settle_s=5.0, master_detect_s=1.65)
+    leaves); the default allowance does not. Found by searching 100 seeds with masters of the
+    earlier release (no kept_slots); with kept_slots 150 seeds showed no such scenario, so this one
+    keeps the earlier Acks, and the next test shows the allowance with this release's."""
+    cfg = SimConfig(
+        handover="strict", policy="static", chaos_s=20.0, settle_s=5.0, master_detect_s=1.65, kept_acks=False
+    )
     assert ProtocolSim(dataclasses.replace(cfg, peer_detect_s=1.0), 62).run().violations
     assert not ProtocolSim(cfg, 62).run().violations
 
@@ -62,7 +66,7 @@ def test_the_agents_allow_masters_as_long_as_their_keep_alive_needs() -> None:
 def test_a_master_with_a_longer_keepalive_is_allowed_what_it_advertises() -> None:
     """A master with ``--keepalive 3`` notices a cut stream within 4 s and says so in etcd; agents
     that allow it that (plus slack) keep strict handover exact, agents that allow the default 1.75 s
-    (an older release, which does not read it) do not. Seeds found by searching 40."""
+    (an older release, which does not read it) do not. Seeds found by searching 80."""
     cfg = SimConfig(
         handover="strict",
         policy="static",
@@ -72,9 +76,10 @@ def test_a_master_with_a_longer_keepalive_is_allowed_what_it_advertises() -> Non
         agent_detect_s=3.35 + 1.0,  # the agents ping such a master after 3.35 s (master_channel_options)
         peer_detect_s=4.0 + PEER_DETECT_SLACK_S,
     )
-    for seed in (17, 18, 19, 0, 1, 2):
+    for seed in (42, 49, 52, 0, 1, 2):
         assert not ProtocolSim(cfg, seed).run().violations, seed
-    assert ProtocolSim(dataclasses.replace(cfg, peer_detect_s=PEER_DETECT_S), 17).run().violations
+    for seed in (42, 49, 52):
+        assert ProtocolSim(dataclasses.replace(cfg, peer_detect_s=PEER_DETECT_S), seed).run().violations, seed
 
 
 @pytest.mark.parametrize("policy", ["static", "demand"])
@@ -108,20 +113,43 @@ def test_scheduled_churn_under_skewed_load_keeps_the_invariant_and_converges(pol
         assert stats.granted.get("mj", 0) > 0
 
 
-def test_known_gap_decode_length_leases_and_stale_acks_oversubscribe() -> None:
-    """Pins a known gap (``nodeagent/handover.py``, "Known gap"). The scenarios above hold leases
-    for 0.3 s on average, so a departed master's leases have ended before an engine sample may free
-    its slots, and the gap stays hidden. With leases as long as decodes (3 s here, the same offered
-    load) a sample compared with a live master's Ack that predates some of its lease ends frees slots
-    the departed master still uses: seed 9 puts 6 on d2's 5 slots (4 seeds in 100 do; 6 to 8 with
-    10 s leases). When the release rule is fixed, make this a guarantee over many seeds."""
-    cfg = SimConfig(
+def _long_leases(policy: str, hold_s: float, **kw: object) -> SimConfig:
+    """Leases as long as decodes, the same offered load as the default scenario (36 slots of 13 busy
+    or wanted), and a stable phase long enough for them to end."""
+    return SimConfig(
         handover="strict",
-        policy="static",
+        policy=policy,
         chaos_s=20.0,
-        settle_s=15.0,
-        hold_mean_s=3.0,
-        rates=dict.fromkeys(("m1", "m2", "m3"), 4.0),
+        settle_s=15.0 + 4 * hold_s,
+        quiet_s=5.0 + 4 * hold_s,
+        hold_mean_s=hold_s,
+        rates=dict.fromkeys(("m1", "m2", "m3"), 12.0 / hold_s),
+        **kw,  # type: ignore[arg-type]
     )
-    violations = ProtocolSim(cfg, 9).run().violations
-    assert violations and violations[0][1:] == ("d2", 6)
+
+
+LONG_SEEDS = int(os.environ.get("PDCOORD_SIM_LONG_SEEDS", "20"))
+
+
+@pytest.mark.parametrize("hold_s", [3.0, 10.0])
+@pytest.mark.parametrize("policy", ["static", "demand"])
+def test_strict_handover_holds_with_decode_length_leases(policy: str, hold_s: float) -> None:
+    """The scenarios above hold leases for 0.3 s, so a departed master's leases have ended before an
+    engine sample may free its slots. With leases as long as decodes a sample set against the live
+    masters' acked counts freed slots a cut-off master still used, whenever a live master's Ack
+    predated some of its lease ends (4 to 8 seeds in 100). A sample now counts for a live master only
+    the leases it kept between an Ack just before the sample and one just after (Ack.kept_slots)."""
+    for seed in range(LONG_SEEDS):
+        sim = ProtocolSim(_long_leases(policy, hold_s), seed)
+        stats = sim.run()
+        assert not stats.violations, f"seed {seed}: {stats.violations[:3]}; faults {stats.faults}"
+        assert not sim.converged(), f"seed {seed}: not converged: {sim.converged()}"
+
+
+def test_known_gap_masters_of_an_earlier_release_leave_a_stale_ack_unbracketed() -> None:
+    """Masters of the earlier release send no kept_slots: their acked counts stand in, as before, and
+    an Ack older than one of their lease ends can still free a cut-off master's running slots
+    (``nodeagent/handover.py``, "Known gap"). The same scenario with this release's masters holds."""
+    old = dataclasses.replace(_long_leases("static", 10.0), settle_s=15.0, quiet_s=5.0, kept_acks=False)
+    assert ProtocolSim(old, 15).run().violations
+    assert not ProtocolSim(dataclasses.replace(old, kept_acks=True), 15).run().violations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdmaster.registry import DECODE, PREFILL, GrantResult, NodeRegistry, ProtocolError
+from pdmaster.registry import DECODE, PREFILL, GrantResult, NodeRegistry, ProtocolError, kept_slots
 
 
 def reg(
@@ -110,3 +110,10 @@ def test_change_listeners_hear_only_the_nodes_that_changed_with_their_capacity()
     reg(r, "d1", 4, (2, 20))
     r.flush()
     assert seen[-1] == {"d1": (2, 4)}
+
+
+def test_kept_slots_are_the_held_slots_not_granted_since_the_previous_ack() -> None:
+    assert kept_slots(5, 10, None) == 0  # a stream's first Ack keeps nothing
+    assert kept_slots(5, 10, 10) == 5  # nothing granted since: every lease was held then
+    assert kept_slots(5, 12, 10) == 3  # two granted since: at least three were held then
+    assert kept_slots(2, 20, 10) == 0  # more granted than held: nothing can be said
