@@ -17,17 +17,18 @@ and lets the first engine sample (or, without a probe, the live masters' first A
 
 How a sample is weighed (``reconsider``). What the orphans may still run is at most the engine's
 count minus what the live masters surely ran at that moment. Their acked active slots are not that:
-an Ack older than the end of some of a master's leases counts leases the engine no longer runs,
-and set against them a sample freed slots that a cut-off master's requests still used (the protocol
+an Ack older than the end of some of a master's leases counts leases the engine no longer runs, and
+set against them a sample freed slots that a cut-off master's requests still used (the protocol
 model found it once its leases lasted as long as decodes). So a master sends in every Ack the leases
 it kept since its previous Ack (``kept_slots``: slots now minus those granted since), and for an
-orphan of a master that may be alive a sample counts, per live master, only what it kept between
-an Ack that came in before the sample started and the answer to a Report sent after it came back:
-those leases ran throughout. The agent asks for those two Acks around each sample while such an
-orphan waits (``NodeAgent._probe_loop``); they must be close, or the leases turned over between
-them keep the reservation from reaching 0. Orphans of masters found gone are still set against the
-acked counts: the engine cancelled their requests, and that keeps a killed master's failover one
-sample long.
+orphan of a master that may be alive a sample counts, per live master, only what it kept between an
+Ack that came in before the sample started and the answer to a Report sent after it came back: those
+leases ran throughout. The agent asks for those two Acks around each sample while such an orphan
+waits (``NodeAgent._probe_loop``). Leases granted between them count for nothing, so under a steady
+stream of short requests the last few slots of a cut-off master can stay reserved until a round sees
+no turnover, the master comes back, or ``orphan_timeout_s``. Orphans of masters found gone, or that
+drained and revoked their key, are still set against the acked counts: their requests were cancelled
+or have ended, and that keeps a killed master's failover one sample long.
 
 Known gap. Masters of an earlier release send no ``kept_slots``; their acked counts stand in as
 before, so with them the stale-Ack case above remains (pinned by the ``known_gap`` tests). And a

@@ -264,6 +264,10 @@ class Slicer:
         for mid, view in list(self.views.items()):
             if mid not in wanted:
                 view.in_etcd = False
+                if mid in self._draining:
+                    # A master revokes its key once it drained: its last leases have ended (or end
+                    # as it exits), so what it left reserved counts as a dead master's.
+                    self._ho.mark_gone(mid)
                 if not view.connected:
                     del self.views[mid]
         self._draining &= set(self.views)
@@ -545,6 +549,7 @@ class Slicer:
                 draining = mid in self._draining
                 left = self.views.get(mid)
                 gone = left is not None and left.gone_at is not None
+                gone |= draining and (left is None or not left.in_etcd)  # drained, key revoked
                 self._ho.exclude(mid, now, self.epoch, now if draining else not_before, draining, gone)
             for mid in members:
                 self._ho.include(mid)

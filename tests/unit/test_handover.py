@@ -513,3 +513,19 @@ def test_a_gone_master_s_slots_follow_the_acked_counts_without_waiting_for_a_bra
     assert not s.waits_for_bracket
     s.on_probe(4, 2.01 + GONE_SAMPLE_DELAY_S, 2.3, 13)
     assert dict(s.shares) == {"a": 8}
+
+
+def test_a_master_that_drained_and_revoked_its_key_counts_as_gone() -> None:
+    """Its last leases have ended (or end as it exits), so what it left reserved is set against the
+    acked counts like a dead master's, without waiting for Acks around a sample: under a steady
+    stream of short requests those never account for every slot."""
+    s = started(8, ["a", "b"])
+    s.on_ack("a", s.epoch, 5, 3, 2.0, 10, kept=0)
+    assert s.on_ack("b", s.epoch, 1, 0, 2.1, 11, draining=True, kept=0)
+    assert s.snapshot()["orphans"] == {"b": 1}
+    s.set_masters(["a"], 3.0, 12)  # revoked once drained
+    s.stream_down("b", 3.0, 13)
+    assert not s.waits_for_bracket
+    s.on_ack("a", s.epoch, 6, 2, 4.0, 14, kept=0)  # a's leases turned over: it kept none
+    assert s.on_probe(6, 4.1, 4.2, 15)
+    assert s.snapshot()["orphans"] == {}
