@@ -23,7 +23,7 @@ from aiohttp import web
 
 from nodeagent.probe import EngineHealth, LoadProbe, check_health
 from nodeagent.reachability import GONE_PROBES_S, host_port, refuses_connections
-from nodeagent.slicing import SharePolicy, Slicer
+from nodeagent.slicing import BRACKET_ACK_WAIT_S, SharePolicy, Slicer
 from pdcoord import __version__
 from pdcoord.config import EtcdSettings
 from pdcoord.etcd import EtcdClient, EtcdError, WatchCompacted
@@ -87,8 +87,6 @@ NODE_VALUE_MIN_GAP_S = 10.0
 CHANNEL_READY_WAIT_S = 5.0
 # Ask a master for an Ack again when its answer to the last report has not come for this long.
 UNANSWERED_REPOLL_S = 5.0
-# Before an engine sample that a strict handover brackets with Acks: how long to wait for them.
-BRACKET_ACK_WAIT_S = 1.0
 # After a link to a master that left is dropped, collect garbage this much later (see _drop_link).
 DROPPED_LINK_GC_S = 1.0
 
@@ -143,11 +141,10 @@ class MasterLink:
     last_ack: pb.Ack | None = None
     sent_epoch: int = -1
     sent_share: int = -1  # the share in the last Register/Report sent on this stream
-    reported_at: float = 0.0  # when the last Report went out
-    # The last Report's seq, and when its writing began: an Ack that echoes that seq answers a
+    # When the last Report's writing began, and its seq: an Ack that echoes that seq answers a
     # Report sent no earlier (strict handover brackets engine samples with such Acks).
+    reported_at: float = 0.0
     report_seq: int = -1
-    report_started_at: float = -math.inf
     answered_seq: int = -1  # the seq the last Ack echoed
     acked_at: float = 0.0  # when the last Ack came in
     gone_check: asyncio.Task[None] | None = None  # tries the address after the stream broke
@@ -433,11 +430,11 @@ class NodeAgent:
                     link.send_now.clear()
                     link.sent_epoch = self.slicer.epoch
                     link.sent_share = self.slicer.share_for(link.master_id)
-                    started = time.monotonic()
+                    link.reported_at = time.monotonic()
                     msg = self._report_msg(link.master_id)
-                    link.report_seq, link.report_started_at = msg.report.seq, started
+                    link.report_seq = msg.report.seq
                     await call.write(msg)
-                    last_sent = self._last_report = link.reported_at = time.monotonic()
+                    last_sent = self._last_report = time.monotonic()
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
@@ -509,7 +506,7 @@ class NodeAgent:
                     self._changed()
 
     def _on_ack(self, link: MasterLink, ack: pb.Ack) -> bool:
-        answers = link.report_started_at if ack.seq and ack.seq == link.report_seq else -math.inf
+        answers = link.reported_at if ack.seq and ack.seq == link.report_seq else -math.inf
         link.answered_seq = ack.seq
         self._acked.set()
         return self.slicer.on_ack(
@@ -539,8 +536,7 @@ class NodeAgent:
             waiting = [
                 link
                 for link in links
-                if link.connected
-                and not (link.report_started_at >= since and link.answered_seq == link.report_seq)
+                if link.connected and not (link.reported_at >= since and link.answered_seq == link.report_seq)
             ]
             left = deadline - time.monotonic()
             if not waiting or left <= 0:

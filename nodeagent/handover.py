@@ -86,8 +86,8 @@ class Orphan:
     epoch: int  # the node epoch when it left: a later applied_epoch means it saw its grant of 0
     # Engine samples before this time cannot release it (see ``startup_wait_s``).
     not_before: float = 0.0
-    # Its process was found gone: the engine cancelled its requests, so the live masters' acked
-    # counts may be set against a sample as they are (see :meth:`Handover.probe`).
+    # Its requests were cancelled or have ended (its process is gone, or it drained and revoked its
+    # key): the live masters' acked counts may be set against a sample as they are (``reconsider``).
     gone: bool = False
 
 
@@ -144,7 +144,6 @@ class Handover:
         epoch: int,
         not_before: float = 0.0,
         draining: bool = False,
-        gone: bool = False,
     ) -> None:
         """The master left the split; what it may still use stays reserved.
 
@@ -162,10 +161,10 @@ class Handover:
             slots = max(slots, old.slots)
             not_before = max(not_before, old.not_before)
         if slots > 0:
-            self.orphans[master_id] = Orphan(slots, now, epoch, not_before, gone)
+            self.orphans[master_id] = Orphan(slots, now, epoch, not_before)
 
     def mark_gone(self, master_id: str) -> None:
-        """The departed master's process is gone (its address refuses connections)."""
+        """The departed master's requests were cancelled or have ended (Slicer._left_for_good)."""
         o = self.orphans.get(master_id)
         if o is not None:
             o.gone = True

@@ -146,6 +146,9 @@ GONE_SAMPLE_DELAY_S = 0.25
 PEER_DETECT_SLACK_S = 0.1
 PEER_DETECT_S = DEFAULT_DETECT_S + PEER_DETECT_SLACK_S  # 1.75 s
 
+# Before an engine sample that strict handover brackets with Acks: how long to wait for them.
+BRACKET_ACK_WAIT_S = 1.0
+
 HANDOVER_MODES = ("strict", "fast")
 SHARE_POLICIES = ("static", "demand")
 
@@ -264,9 +267,7 @@ class Slicer:
         for mid, view in list(self.views.items()):
             if mid not in wanted:
                 view.in_etcd = False
-                if mid in self._draining:
-                    # A master revokes its key once it drained: its last leases have ended (or end
-                    # as it exits), so what it left reserved counts as a dead master's.
+                if self._left_for_good(mid):  # before its drain is forgotten with its view
                     self._ho.mark_gone(mid)
                 if not view.connected:
                     del self.views[mid]
@@ -318,6 +319,15 @@ class Slicer:
             o.not_before = min(o.not_before, self._samples_count_from(master_id, now))
             self._ho.mark_gone(master_id)
         return self._recompute(now, time_ns)
+
+    def _left_for_good(self, master_id: str) -> bool:
+        """Its requests here were cancelled or have ended: its process is gone, or it drained and
+        revoked its key (it does so once its last leases ended, or as it exits). What it left
+        reserved is then set against the acked counts (Handover.reconsider)."""
+        view = self.views.get(master_id)
+        if view is not None and view.gone_at is not None:
+            return True
+        return master_id in self._draining and (view is None or not view.in_etcd)
 
     def _samples_count_from(self, master_id: str, now: float) -> float:
         """From when engine samples may release what a departed master held here: once it could have
@@ -547,10 +557,9 @@ class Slicer:
                 # down) may not have noticed yet that it lost this node.
                 not_before = self._samples_count_from(mid, now)
                 draining = mid in self._draining
-                left = self.views.get(mid)
-                gone = left is not None and left.gone_at is not None
-                gone |= draining and (left is None or not left.in_etcd)  # drained, key revoked
-                self._ho.exclude(mid, now, self.epoch, now if draining else not_before, draining, gone)
+                self._ho.exclude(mid, now, self.epoch, now if draining else not_before, draining)
+                if self._left_for_good(mid):
+                    self._ho.mark_gone(mid)
             for mid in members:
                 self._ho.include(mid)
             old = set(self._members)

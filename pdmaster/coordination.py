@@ -55,9 +55,11 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         self.max_reports_per_s = max_reports_per_s
         self.lifecycle = lifecycle if lifecycle is not None else Lifecycle()
 
-    def _ack(self, node_id: str, epoch: int, seq: int, mark: list[int]) -> pb.MasterMessage:
-        """``mark``: the node's slots-granted count at this stream's previous Ack (empty before the
-        first); updated here."""
+    def _ack(
+        self, node_id: str, epoch: int, seq: int, mark: int | None
+    ) -> tuple[pb.MasterMessage, int | None]:
+        """The Ack, and the stream's mark for the next one. ``mark``: the node's slots-granted count
+        at this stream's previous Ack (None before the first)."""
         active, wanted = self.slots(node_id)
         ack = pb.Ack(
             master_id=self.master_id,
@@ -69,9 +71,9 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         )
         if self.granted is not None:
             granted = self.granted(node_id)
-            ack.kept_slots = kept_slots(active, granted, mark[0] if mark else None)
-            mark[:] = [granted]
-        return pb.MasterMessage(ack=ack)
+            ack.kept_slots = kept_slots(active, granted, mark)
+            mark = granted
+        return pb.MasterMessage(ack=ack), mark
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: str, message: str) -> None:
         self.metrics.protocol_rejections.labels(reason=code.lower()).inc()
@@ -139,8 +141,8 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         try:
             acks_sent.inc()
             self.registry.flush()
-            mark: list[int] = []
-            yield self._ack(node_id, node.epoch, 0, mark)
+            ack, mark = self._ack(node_id, node.epoch, 0, None)
+            yield ack
             bucket = TokenBucket(self.max_reports_per_s)
             async for msg in request_iterator:
                 # every message counts, so a flood of empty or unknown ones is refused too
@@ -194,7 +196,8 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                 self.metrics.observe_node(self.registry, node_id)
                 acks_sent.inc()
                 self.registry.flush()
-                yield self._ack(node_id, self.registry.nodes[node_id].epoch, rep.seq, mark)
+                ack, mark = self._ack(node_id, self.registry.nodes[node_id].epoch, rep.seq, mark)
+                yield ack
         finally:
             self.registry.disconnect(node_id, stream)
             self.metrics.observe_node(self.registry, node_id)

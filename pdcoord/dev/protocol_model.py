@@ -22,7 +22,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nodeagent.slicing import PEER_DETECT_S, SharePolicy, Slicer
+from nodeagent.slicing import BRACKET_ACK_WAIT_S, PEER_DETECT_S, SharePolicy, Slicer
 from pdmaster.admission import AdmissionCore, AdmissionPolicy, RequestClass, Ticket, TicketState
 from pdmaster.registry import DECODE, NodeRegistry, ProtocolError, ShareChanges, kept_slots, split_changes
 
@@ -767,7 +767,10 @@ class ProtocolSim:
             for link in a.polled:
                 self.agent_send(a, link, "report")
             inc = a.inc
-            self.after(1.0, lambda: self.agent_sample(a) if a.inc == inc and a.polled is not None else None)
+            self.after(
+                BRACKET_ACK_WAIT_S,
+                lambda: self.agent_sample(a) if a.inc == inc and a.polled is not None else None,
+            )
             if not a.polled:
                 self.agent_sample(a)
             return

@@ -36,14 +36,16 @@ async def master_a(agent: NodeAgent, link: MasterLink, log: list[str], freed: as
         await link.send_now.wait()
         link.send_now.clear()
         msg = agent._report_msg("a")
-        link.report_seq, link.report_started_at = msg.report.seq, time.monotonic()
+        link.report_seq, link.reported_at = msg.report.seq, time.monotonic()
         log.append("report")
         await asyncio.sleep(0.01)
         ack = pb.Ack(applied_epoch=agent.slicer.epoch, active_slots=3, seq=msg.report.seq, kept_slots=3)
         link.last_ack, link.acked_at = ack, time.monotonic()
         if agent._on_ack(link, ack):
             agent._changed()
-        held = agent.slicer.snapshot()["orphans"].get("b", 0)  # type: ignore[attr-defined]
+        orphans = agent.slicer.snapshot()["orphans"]
+        assert isinstance(orphans, dict)
+        held = orphans.get("b", 0)
         log.append(f"ack, b holds {held}")
         if held < 4:
             freed.set()
@@ -116,7 +118,7 @@ async def test_a_master_that_does_not_answer_counts_for_nothing_and_the_sample_i
 def test_an_ack_without_kept_slots_is_read_as_from_an_earlier_release() -> None:
     agent = agent_with_b_cut_off()
     link = agent.links["a"]
-    link.report_seq, link.report_started_at = 9, 123.0
+    link.report_seq, link.reported_at = 9, 123.0
     agent._on_ack(link, pb.Ack(applied_epoch=agent.slicer.epoch, active_slots=3, seq=9))
     h = agent.slicer._ho.holders["a"]
     assert h.kept is None and h.answers_sent_at == 123.0
