@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 from nodeagent.slicing import PEER_DETECT_S, PEER_DETECT_SLACK_S
 from pdcoord.dev.protocol_model import ProtocolSim, SimConfig
+
+# The scenario bench/handover_long_leases.py counts (it defines it so that it runs on older trees too).
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+from handover_long_leases import config as decode_length_config
 
 SEEDS = int(os.environ.get("PDCOORD_SIM_SEEDS", "200"))
 CHUNK = 20
@@ -103,21 +109,6 @@ def test_scheduled_churn_under_skewed_load_keeps_the_invariant_and_converges(pol
         assert stats.granted.get("mj", 0) > 0
 
 
-def _long_leases(policy: str, hold_s: float, **kw: object) -> SimConfig:
-    """Leases as long as decodes, the same offered load as the default scenario (36 slots of 13 busy
-    or wanted), and a stable phase long enough for them to end."""
-    return SimConfig(
-        handover="strict",
-        policy=policy,
-        chaos_s=20.0,
-        settle_s=15.0 + 4 * hold_s,
-        quiet_s=5.0 + 4 * hold_s,
-        hold_mean_s=hold_s,
-        rates=dict.fromkeys(("m1", "m2", "m3"), 12.0 / hold_s),
-        **kw,  # type: ignore[arg-type]
-    )
-
-
 LONG_SEEDS = int(os.environ.get("PDCOORD_SIM_LONG_SEEDS", "20"))
 
 
@@ -130,7 +121,7 @@ def test_strict_handover_holds_with_decode_length_leases(policy: str, hold_s: fl
     predated some of its lease ends (4 to 8 seeds in 100). A sample now counts for a live master only
     the leases it kept between an Ack just before the sample and one just after (Ack.kept_slots)."""
     for seed in range(LONG_SEEDS):
-        sim = ProtocolSim(_long_leases(policy, hold_s), seed)
+        sim = ProtocolSim(decode_length_config(policy, hold_s), seed)
         stats = sim.run()
         assert not stats.violations, f"seed {seed}: {stats.violations[:3]}; faults {stats.faults}"
         assert not sim.converged(), f"seed {seed}: not converged: {sim.converged()}"
@@ -140,6 +131,8 @@ def test_known_gap_masters_of_an_earlier_release_leave_a_stale_ack_unbracketed()
     """Masters of the earlier release send no kept_slots: their acked counts stand in, as before, and
     an Ack older than one of their lease ends can still free a cut-off master's running slots
     (``nodeagent/handover.py``, "Known gap"). The same scenario with this release's masters holds."""
-    old = dataclasses.replace(_long_leases("static", 10.0), settle_s=15.0, quiet_s=5.0, kept_acks=False)
+    old = dataclasses.replace(
+        decode_length_config("static", 10.0), settle_s=15.0, quiet_s=5.0, kept_acks=False
+    )
     assert ProtocolSim(old, 15).run().violations
     assert not ProtocolSim(dataclasses.replace(old, kept_acks=True), 15).run().violations
