@@ -28,6 +28,12 @@ leaves in arrival order (most tickets) costs O(1) amortized, the rest O(log n), 
 
 Tickets are removed lazily: an entry whose ticket has moved on is dropped when it surfaces, and a
 structure that grows beyond twice its live size is compacted, so memory stays bounded.
+
+A process that was frozen (SIGSTOP, a paused VM, a starved cgroup) wakes up believing in shares
+the agents may have handed on meanwhile: they cut its streams while it did not answer, and the
+stream ends are only read after it runs again. ``watch_pauses`` makes the core place nothing for a
+while after such a pause, so those ends are seen before anything else is placed (see
+``pdmaster.pausewatch``).
 """
 
 from __future__ import annotations
@@ -505,6 +511,12 @@ class AdmissionCore:
         self._changes: list[Ticket] = []
         self._now = 0.0
         self.last_changes: list[Ticket] = []
+        # pause guard (watch_pauses): no placement before _hold_until
+        self._resumed_at: Callable[[float], float] | None = None
+        self._pause_hold_s = 0.0
+        self._hold_until = -math.inf
+        self._holding = False
+        self.pauses = 0  # holds started (a pause seen while holding extends the hold)
 
     # ------------------------------------------------------------------ read-only views
 
@@ -535,9 +547,18 @@ class AdmissionCore:
         """Queued demand in slots (what the master reports to agents as ``wanted_slots``)."""
         return self._queued_slots
 
+    @property
+    def held_until(self) -> float:
+        """Nothing is placed before this time (-inf: no hold). See :meth:`watch_pauses`."""
+        return self._hold_until
+
     def next_deadline(self) -> float | None:
+        """When :meth:`expire` has work: the first waiter's deadline, or the end of a hold."""
         t = self._first_deadline()
-        return t.deadline if t is not None else None
+        d = t.deadline if t is not None else None
+        if self._holding and (d is None or self._hold_until < d):
+            return self._hold_until
+        return d
 
     def snapshot(self) -> dict[str, Any]:
         nodes = sorted(set(self._shares) | {n for n, a in self._active.items() if a})
@@ -553,6 +574,8 @@ class AdmissionCore:
             "wanted_slots": self._queued_slots,
             "sessions": len(self._sessions),
             "queued_retries": len(self._retries),
+            "placement_held_s": round(max(0.0, self._hold_until - self._clock()), 3),
+            "pauses": self.pauses,
             "classes": {
                 c.value: {
                     "queued_requests": self._queues[c].n,
@@ -611,6 +634,22 @@ class AdmissionCore:
         self._begin()
         _check_shares(changes)
         return self._apply_shares({n: int(s) for n, s in changes.items()}, node_capacity)
+
+    def watch_pauses(self, resumed_at: Callable[[float], float], hold_s: float) -> None:
+        """Place nothing for ``hold_s`` after this process was found not running for a while.
+
+        ``resumed_at(now)`` returns when the latest such pause ended (-inf: none yet; ``now`` while
+        one is still being noticed). Every call checks it before it decides, so a placement made by
+        the first callback that runs after a pause is held too. Waiters keep their deadlines; when
+        the hold ends, :meth:`next_deadline` says so and :meth:`expire` places what fits. No effect
+        in bypass mode (nothing is limited there).
+        """
+        if not hold_s >= 0:
+            raise ValueError(f"hold_s must be >= 0, got {hold_s!r}")
+        if self._bypass:
+            return
+        self._resumed_at = resumed_at
+        self._pause_hold_s = float(hold_s)
 
     def set_masters(self, masters: int) -> None:
         """How many masters share the fleet (0: unknown). See :meth:`_queue_bound`."""
@@ -841,7 +880,10 @@ class AdmissionCore:
         # earliest deadline first across the classes, so ``last_changes`` lists them in that order
         while (t := self._first_deadline()) is not None and t.deadline <= now:
             self._finish(t, _EXPIRED, TIMEOUT)
-        if self._changes:
+        if self._holding and now >= self._hold_until:
+            self._holding = False
+            self._pump()
+        elif self._changes:
             self._pump()
         return self._end()
 
@@ -860,7 +902,14 @@ class AdmissionCore:
 
     def _begin(self) -> None:
         self._changes = []
-        self._now = self._clock()  # one clock read per call: grants and ends share a timestamp
+        now = self._now = self._clock()  # one clock read per call: grants and ends share a timestamp
+        if self._resumed_at is not None:
+            until = self._resumed_at(now) + self._pause_hold_s
+            if until > self._hold_until:
+                if not self._holding or now >= self._hold_until:
+                    self.pauses += 1
+                self._hold_until = until
+                self._holding = True
 
     def _end(self) -> list[Ticket]:
         self.last_changes = self._changes
@@ -902,6 +951,8 @@ class AdmissionCore:
             heapq.heapify(self._free_heap)
 
     def _top_free(self) -> tuple[int, str | None]:
+        if self._now < self._hold_until:
+            return 0, None
         h = self._free_heap
         nv = self._node_ver
         while h:
@@ -914,6 +965,8 @@ class AdmissionCore:
     def _top_free_avoiding(self, avoid: frozenset[str]) -> tuple[int, str | None]:
         """The node with the most free slots outside ``avoid``: pops at most ``len(avoid)`` live
         entries (put back after), so the cost does not grow with the number of nodes."""
+        if self._now < self._hold_until:
+            return 0, None
         h = self._free_heap
         nv = self._node_ver
         skipped: list[tuple[int, str, int]] = []

@@ -188,6 +188,7 @@ class AdmissionController:
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
+        self._held_seen = self.core.held_until
         self._publish_pending = False
         self._published: list[float | None] = [None, None, None, None]
         self.publish_count = 0  # ticks in which at least one gauge was set (for tests and debugging)
@@ -254,6 +255,11 @@ class AdmissionController:
         """The shares of the nodes in ``changes`` only (0: no new work there); O(len(changes))."""
         self._apply(self.core.update_shares(changes, node_capacity))
 
+    def watch_pauses(self, resumed_at: Callable[[float], float], hold_s: float) -> None:
+        """Place nothing for ``hold_s`` after a pause of this process (``AdmissionCore.watch_pauses``;
+        ``resumed_at`` is usually ``PauseWatch.resumed_at``, on this controller's clock)."""
+        self.core.watch_pauses(resumed_at, hold_s)
+
     def set_masters(self, masters: int) -> None:
         """How many masters share the fleet (0: unknown): the queue bound's floor, see the core."""
         self.core.set_masters(masters)
@@ -313,11 +319,16 @@ class AdmissionController:
         self._schedule_publish()
         # Only a new waiter can bring the next deadline forward (promotion only extends deadlines,
         # everything else removes waiters): an armed timer needs a look only when the newcomer is
-        # due before it, and then the newcomer is the first due.
+        # due before it, and then the newcomer is the first due. Or a hold after a pause began, whose
+        # end is when the queue moves again.
+        held = self.core.held_until
         if self._timer is None:
             self._reschedule_timer()
+        elif held != self._held_seen and self._timer_at is not None and held < self._timer_at:
+            self._reschedule_timer(held)
         elif queued is not None and self._timer_at is not None and queued.deadline < self._timer_at:
             self._reschedule_timer(queued.deadline)
+        self._held_seen = held
 
     def _loop(self) -> asyncio.AbstractEventLoop | None:
         try:

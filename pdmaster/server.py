@@ -32,6 +32,7 @@ from pdmaster.engine import EnginePool, make_dispatch
 from pdmaster.engine.health import BreakerState, CircuitBreaker, EngineBreakers
 from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import MasterMetrics, RequestMetrics
+from pdmaster.pausewatch import PauseWatch
 from pdmaster.pipeline import RequestPipeline
 from pdmaster.registry import DECODE, NodeRegistry, ShareChanges, split_changes
 from pdmaster.routing import POLICIES, Router
@@ -104,6 +105,9 @@ class MasterServer:
         self.admission = AdmissionController(
             cfg.admission, registry=self.metrics_registry, master_id=self.master_id
         )
+        # After this process stood still, place nothing until the agents' verdicts are read.
+        self.pause_watch = PauseWatch()
+        self.admission.watch_pauses(self.pause_watch.resumed_at, cfg.detect_s)
         self.registry.subscribe_changes(self._on_shares)
         self.coordination = CoordinationService(
             self.master_id,
@@ -258,6 +262,7 @@ class MasterServer:
         if self.grpc_port == 0:
             raise StartupError(f"--grpc-port: cannot listen on {cfg.grpc_host}:{cfg.grpc_port}")
         await self.grpc_server.start()
+        self.pause_watch.start()
 
         harden_aiohttp()
         self.http_runner = self._runner(self.build_app())
@@ -366,6 +371,7 @@ class MasterServer:
         if self.admin_runner is not None:
             await self.admin_runner.cleanup()
         await self.etcd.close()
+        self.pause_watch.stop()
 
     def request_stop(self) -> None:
         self._stop.set()

@@ -676,3 +676,95 @@ def test_granted_on_counts_every_slot_ever_granted_on_a_node() -> None:
     core.release(gang)
     assert core.granted_on(gang.node) == (3 if gang.node == node else 2)
     assert core.granted_on("elsewhere") == 0
+
+
+# -- pauses of the process (watch_pauses) ------------------------------------------------------
+
+
+class Resumed:
+    """A stand-in for PauseWatch.resumed_at: when the latest pause ended."""
+
+    def __init__(self) -> None:
+        self.at = float("-inf")
+
+    def __call__(self, now: float) -> float:
+        return self.at
+
+
+def test_after_a_pause_nothing_is_placed_until_the_hold_ends() -> None:
+    clock = Clock()
+    core = make({"d1": 2, "d2": 2}, clock)
+    resumed = Resumed()
+    core.watch_pauses(resumed, hold_s=1.5)
+    first = core.submit(1, COLD)
+    assert first.state is G and core.pauses == 0 and core.next_deadline() is None
+
+    clock.now = 110.0
+    resumed.at = 110.0  # the process stood still until now
+    waiter = core.submit(1, COLD)
+    assert waiter.state is Q, "placed on a share the agents may have handed on"
+    assert core.pauses == 1 and core.held_until == 111.5
+    assert core.next_deadline() == 111.5  # the adapter's timer moves the queue then
+    assert core.snapshot()["placement_held_s"] == 1.5
+    clock.now = 110.5
+    assert not granted(core.release(first)), "a release placed during the hold"
+    assert core.expire() == [] and waiter.state is Q
+    clock.now = 111.5
+    assert granted(core.expire()) == [waiter] and waiter.node is not None
+    assert core.next_deadline() is None
+    assert core.submit(1, COLD).state is G  # and placement is back to normal
+
+
+def test_a_pause_during_a_hold_extends_it_and_counts_once() -> None:
+    clock = Clock()
+    core = make({"d1": 1}, clock)
+    resumed = Resumed()
+    core.watch_pauses(resumed, hold_s=1.0)
+    resumed.at = clock.now
+    t = core.submit(1, CONT)
+    assert t.state is Q and core.pauses == 1
+    clock.now += 0.5
+    resumed.at = clock.now
+    assert core.expire() == [] and core.held_until == clock.now + 1.0 and core.pauses == 1
+    clock.now += 1.0
+    assert granted(core.expire()) == [t]
+    clock.now += 5.0
+    resumed.at = clock.now  # a later, separate pause
+    core.release(t)
+    assert core.pauses == 2
+
+
+def test_waiters_keep_their_deadlines_through_a_hold() -> None:
+    clock = Clock()
+    core = make({"d1": 1}, clock, max_wait_s={CONT: 3.0, PROB: 2.0, COLD: 1.0})
+    resumed = Resumed()
+    core.watch_pauses(resumed, hold_s=2.0)
+    resumed.at = clock.now
+    t = core.submit(1, COLD)
+    assert core.next_deadline() == t.deadline == clock.now + 1.0  # the earlier of the two
+    clock.now += 1.0
+    core.expire()
+    assert t.state is TicketState.EXPIRED and core.next_deadline() == clock.now + 1.0
+
+
+def test_a_retry_after_a_pause_waits_too() -> None:
+    clock = Clock()
+    core = make({"d1": 1, "d2": 1}, clock)
+    resumed = Resumed()
+    core.watch_pauses(resumed, hold_s=1.0)
+    resumed.at = clock.now
+    r = core.submit(1, COLD, avoid=frozenset({"d1"}), deadline=clock.now + 5.0)
+    assert r.state is Q
+    clock.now += 1.0
+    assert granted(core.expire()) == [r] and r.node == "d2"
+
+
+def test_bypass_ignores_pauses() -> None:
+    clock = Clock()
+    core = make({"d1": 1}, clock, bypass=True)
+    resumed = Resumed()
+    core.watch_pauses(resumed, hold_s=1.0)
+    resumed.at = clock.now
+    assert core.submit(1, COLD).state is G and core.pauses == 0
+    with pytest.raises(ValueError, match="hold_s"):
+        make({"d1": 1}).watch_pauses(resumed, hold_s=-1.0)

@@ -334,3 +334,24 @@ async def test_a_retry_times_out_at_the_first_deadline() -> None:
         await asyncio.wait_for(retry, 10)
     assert exc.value.code == "timeout"
     holder.release()
+
+
+async def test_after_a_pause_the_queue_moves_when_the_hold_ends_without_another_event() -> None:
+    """The hold's end is a deadline of its own: nothing else happens, yet the waiter is placed."""
+    ctl = make({"d1": 1}, queue_waves=5)
+    resumed = [float("-inf")]
+    ctl.watch_pauses(lambda now: resumed[0], hold_s=0.3)
+    far = asyncio.create_task(ctl.acquire_lease(request_class=CONT))  # arms the timer far ahead
+    await settle()
+    far_lease = far.result()
+    blocked = asyncio.create_task(ctl.acquire_lease(request_class=CONT))
+    await settle()
+    assert ctl._timer_at is not None
+    resumed[0] = time.monotonic()
+    far_lease.release()  # the first call after the pause: frees d1 but places nothing
+    await settle()
+    assert not blocked.done() and ctl.snapshot()["pauses"] == 1
+    lease = await asyncio.wait_for(blocked, 5)
+    assert lease.node == "d1" and lease.wait_s >= 0.25
+    lease.release()
+    ctl.close()
