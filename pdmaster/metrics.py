@@ -47,6 +47,12 @@ class MasterMetrics:
             ["node"],
             registry=registry,
         )
+        self.pauses = Counter(
+            "pdcoord_master_pauses",
+            "Times this process was found to have stood still for more than a second (stopped, a paused "
+            "VM, starved of CPU); after each, new leases waited for the keep-alive's detection time",
+            registry=registry,
+        )
         self.engine_failures = Counter(
             "pdcoord_engine_failures",
             "Failed exchanges with a node's engine counted by the circuit breaker, by kind",

@@ -106,7 +106,7 @@ class MasterServer:
             cfg.admission, registry=self.metrics_registry, master_id=self.master_id
         )
         # After this process stood still, place nothing until the agents' verdicts are read.
-        self.pause_watch = PauseWatch()
+        self.pause_watch = PauseWatch(on_pause=lambda _gap: self.metrics.pauses.inc())
         self.admission.watch_pauses(self.pause_watch.resumed_at, cfg.detect_s)
         self.registry.subscribe_changes(self._on_shares)
         self.coordination = CoordinationService(

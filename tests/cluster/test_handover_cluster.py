@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from pdcoord.dev.cluster import LocalCluster
+from pdcoord.dev.cluster import LocalCluster, scrape_metrics
 from pdcoord.dev.loadgen import HANG
 from tests.cluster.cluster_helpers import (
     Targets,
@@ -337,6 +337,7 @@ def test_stopped_master_under_load_never_oversubscribes_the_engines(
     )
     assert on_stopped, "the stop caught no request in flight on m1; the test exercised nothing"
     assert "did not run for" in stopped.proc.tail(5000), "m1 did not notice that it had been stopped"
+    assert scrape_metrics(stopped.url).get("pdcoord_master_pauses_total", 0) >= 1
     assert all(v == 0 for v in queued.values()), f"decode engines queued requests: {queued}"
     assert not [r for r in results if r.status == HANG], summarize(results)
     assert all(r.ok or (r.status == 429 and r.retry_after) or r.status == 503 for r in results), summarize(

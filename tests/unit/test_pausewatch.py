@@ -20,7 +20,8 @@ class Clock:
 
 def test_a_late_beat_is_a_pause_that_ended_then() -> None:
     clock = Clock()
-    w = PauseWatch(gap_s=1.0, every_s=0.1, clock=clock)
+    seen: list[float] = []
+    w = PauseWatch(gap_s=1.0, every_s=0.1, clock=clock, on_pause=seen.append)
     for _ in range(5):
         clock.now += 0.3
         w.beat(clock.now)
@@ -28,6 +29,7 @@ def test_a_late_beat_is_a_pause_that_ended_then() -> None:
     clock.now += 2.5
     w.beat(clock.now)
     assert w.resumed_at(clock.now) == clock.now and w.pauses == 1 and w.longest_s == pytest.approx(2.5)
+    assert seen == [pytest.approx(2.5)]
     resumed = clock.now
     clock.now += 0.2
     w.beat(clock.now)
