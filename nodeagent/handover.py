@@ -34,7 +34,11 @@ Known gap. Masters of an earlier release send no ``kept_slots``; their acked cou
 before, so with them the stale-Ack case above remains (pinned by the ``known_gap`` tests). And a
 lease the decode engine does not count yet (in its prefill under the vLLM protocol; under SGLang's
 waiting for its KV outside the running count) but kept across both Acks is counted as running: the
-bound is exact only once the master counts just the leases whose decode has started.
+bound is exact only once the master counts just the leases whose decode has started. The same holds
+at the other end: a lease whose decode has ended while the master still relays its last tokens (a
+slow client) is no longer counted by the engine but is by the master. ``kept_slots`` subtracts every
+grant made between the two Acks, which makes such an early release less likely but does not rule it
+out; a count that ends each lease at the engine's last token would.
 """
 
 from __future__ import annotations
