@@ -49,6 +49,7 @@ def start_fleet(
     masters: list[str],
     *,
     agent_extra: dict[str, Any] | None = None,
+    decode_engine_args: dict[str, Any] | None = None,
     **master_extra: Any,
 ) -> Targets:
     for m in masters:
@@ -56,7 +57,7 @@ def start_fleet(
     for name, cap in PREFILL.items():
         c.start_node(name, "prefill", cap, model=MODEL, **(agent_extra or {}))
     for name, cap in DECODE.items():
-        c.start_node(name, "decode", cap, model=MODEL, **(agent_extra or {}))
+        c.start_node(name, "decode", cap, model=MODEL, engine_args=decode_engine_args, **(agent_extra or {}))
     c.wait_for(lambda: c.full_capacity_held(masters, CAPS), timeout=30)
     targets = Targets(c)
     for m in masters:

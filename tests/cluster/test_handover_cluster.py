@@ -31,7 +31,6 @@ from tests.cluster.test_cluster_suite import (
     CAPS,
     DECODE,
     Loads,
-    assert_peaks_within_capacity,
     decode_queued,
     load_guard,
     run_load,
@@ -288,20 +287,13 @@ def test_stopped_master_under_load_never_oversubscribes_the_engines(
     tens of milliseconds (a lease turns over many times between two Acks, the slowest case for the
     bracketed samples), 50 ms makes them last about as long as the failover itself."""
     masters = ["m1", "m2"]
-    for m in masters:
-        # Waiters outlast the stop: m1 still has some to place when it runs again.
-        cluster.start_master(m, model="sim", admission_max_wait="90:90:90")
-    agent_extra = {"orphan_timeout": 300}
-    for name, cap in {"p1": 8}.items():
-        cluster.start_node(name, "prefill", cap, model="sim", **agent_extra)
-    for name, cap in DECODE.items():
-        cluster.start_node(
-            name, "decode", cap, model="sim", engine_args={"decode_base_ms": decode_ms}, **agent_extra
-        )
-    cluster.wait_for(lambda: cluster.full_capacity_held(masters, CAPS), timeout=30)
-    targets = Targets(cluster)
-    for m in masters:
-        targets.add_when_ready(m)
+    targets = start_fleet(
+        cluster,
+        masters,
+        agent_extra={"orphan_timeout": 300},
+        decode_engine_args={"decode_base_ms": decode_ms},
+        admission_max_wait="90:90:90",  # waiters outlast the stop: m1 has some when it runs again
+    )
     # Saturating (20 users over 12 decode slots); the timeout outlasts the stop, so what m1 had in
     # flight completes once it runs again.
     load = run_load(load_guard, targets, users=20, max_tokens=24, request_timeout_s=120, lb_retry=True)
@@ -315,7 +307,6 @@ def test_stopped_master_under_load_never_oversubscribes_the_engines(
         took = cluster.wait_for(lambda: cluster.full_capacity_held(["m2"], CAPS), timeout=90, interval=0.1)
         time.sleep(2.0)  # m2 runs on the whole fleet for a while
         queued_stopped = decode_queued(cluster)
-        peaks_stopped = assert_peaks_within_capacity(cluster)
     finally:
         stopped.proc.send_signal(signal.SIGCONT)
     stopped_for = time.monotonic() - t_stop
@@ -324,7 +315,6 @@ def test_stopped_master_under_load_never_oversubscribes_the_engines(
     time.sleep(3.0)
     results = load.stop()
     queued = decode_queued(cluster)
-    peaks = assert_peaks_within_capacity(cluster)
     leases = wait_no_leases(cluster)
     on_stopped = [r for r in results if r.master == "m1" and r.overlaps(t_stop)]
     print(
@@ -332,12 +322,13 @@ def test_stopped_master_under_load_never_oversubscribes_the_engines(
         f"{took:.2f}s after the stop; m1 stopped {stopped_for:.1f}s, both held their shares "
         f"{rejoined:.2f}s after SIGCONT; {len(results)} requests ({summarize(results)}); in flight on m1 at "
         f"the stop: {len(on_stopped)} ({summarize(on_stopped)}); pdsim_queued_total {queued_stopped} "
-        f"while stopped, {queued} at the end; peak running {peaks_stopped} then {peaks}; (active, "
-        f"queued) after {leases}"
+        f"while stopped, {queued} at the end; (active, queued) after {leases}"
     )
     assert on_stopped, "the stop caught no request in flight on m1; the test exercised nothing"
     assert "did not run for" in stopped.proc.tail(5000), "m1 did not notice that it had been stopped"
     assert scrape_metrics(stopped.url).get("pdcoord_master_pauses_total", 0) >= 1
+    # pdsim never runs more than its capacity; a request it had to queue is the overshoot.
+    assert all(v == 0 for v in queued_stopped.values()), f"queued while m1 stood still: {queued_stopped}"
     assert all(v == 0 for v in queued.values()), f"decode engines queued requests: {queued}"
     assert not [r for r in results if r.status == HANG], summarize(results)
     assert all(r.ok or (r.status == 429 and r.retry_after) or r.status == 503 for r in results), summarize(
