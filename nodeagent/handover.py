@@ -142,12 +142,7 @@ class Handover:
         self.holders.setdefault(master_id, Holder())
 
     def exclude(
-        self,
-        master_id: str,
-        now: float,
-        epoch: int,
-        not_before: float = 0.0,
-        draining: bool = False,
+        self, master_id: str, now: float, epoch: int, not_before: float = 0.0, draining: bool = False
     ) -> None:
         """The master left the split; what it may still use stays reserved.
 

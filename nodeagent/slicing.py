@@ -379,7 +379,8 @@ class Slicer:
         )
         if h is not None and h.demand != before:
             self._rebalance_due = True
-        self._ho.reconsider(self._reachable())
+        if self._ho.orphans:  # the latest sample, weighed with this Ack
+            self._ho.reconsider(self._reachable())
         return self._recompute(now, time_ns)
 
     def on_probe(self, running: int | None, taken_at: float, now: float, time_ns: int) -> bool:

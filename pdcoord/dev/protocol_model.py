@@ -763,16 +763,18 @@ class ProtocolSim:
             return
         if a.bracket_next and a.slicer.waits_for_bracket:
             # As NodeAgent._probe_loop: Acks from every connected master first, then the sample.
-            a.polled = [link for link in a.links.values() if link.up]
-            for link in a.polled:
+            polled = [link for link in a.links.values() if link.up]
+            if not polled:
+                self.agent_sample(a)
+                return
+            a.polled = polled
+            for link in polled:
                 self.agent_send(a, link, "report")
             inc = a.inc
             self.after(
                 BRACKET_ACK_WAIT_S,
                 lambda: self.agent_sample(a) if a.inc == inc and a.polled is not None else None,
             )
-            if not a.polled:
-                self.agent_sample(a)
             return
         self.agent_sample(a, bracket=False)
 
