@@ -91,11 +91,10 @@ def decode_queued(c: LocalCluster, nodes: list[str] | None = None) -> dict[str, 
     return engine_metric(c, nodes or list(DECODE), "pdsim_queued_total")
 
 
-def assert_peaks_within_capacity(c: LocalCluster) -> dict[str, float]:
-    peaks = engine_metric(c, list(DECODE), "pdsim_max_running")
-    for node, peak in peaks.items():
-        assert peak <= DECODE[node], f"{node} ran {peak} at once, running_max_req_size {DECODE[node]}"
-    return peaks
+def decode_peaks(c: LocalCluster) -> dict[str, float]:
+    """The most each decode engine ran at once, for the record: pdsim queues what does not fit, so
+    this never exceeds its capacity; ``decode_queued`` is the number that shows an overshoot."""
+    return engine_metric(c, list(DECODE), "pdsim_max_running")
 
 
 # -- 1. SIGKILL a master under load -------------------------------------------------------------
@@ -118,7 +117,7 @@ def test_sigkill_master_under_load(cluster: LocalCluster, load_guard: Loads) -> 
     broken = [r for r in on_dead if not r.ok]
     survivor = [r for r in results if r.master == "m1"]
     queued = decode_queued(cluster)
-    peaks = assert_peaks_within_capacity(cluster)
+    peaks = decode_peaks(cluster)
     leases = wait_no_leases(cluster)
     print(
         f"\nSIGKILL m2 under load: m1 held the full capacity {took:.3f}s after the kill; "
