@@ -500,6 +500,16 @@ class Engine:
             self.kv_tokens += n
             self.tokens_total.inc(n)
 
+        released = False
+
+        def release() -> None:
+            # Once only: at the last generated token, or on error / cancellation before it.
+            nonlocal released
+            if not released:
+                released = True
+                self.kv_tokens -= held + n * generated
+                self.pool.release(n)
+
         try:
             return await self._respond(
                 request,
@@ -512,11 +522,11 @@ class Engine:
                 faults,
                 per_prompt=per_prompt,
                 on_token=on_token,
+                on_done=release,
             )
         finally:
             # Runs on completion, error and cancellation alike: the slot never leaks.
-            self.kv_tokens -= held + n * generated
-            self.pool.release(n)
+            release()
 
     async def _respond(
         self,
@@ -531,8 +541,17 @@ class Engine:
         *,
         per_prompt: tuple[tuple[int, int], ...] = (),
         on_token: Callable[[], None] | None = None,
+        on_done: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
-        """Write the response; with ``on_token`` the tokens are paced by the decode timing model."""
+        """Write the response; with ``on_token`` the tokens are paced by the decode timing model and
+        ``on_done`` runs once the last one is generated.
+
+        Like a real engine, generation does not wait for the client: streamed chunks go straight to
+        the transport's buffer (no drain), so a client that reads slowly or not at all neither slows
+        the tokens down nor holds the decode slots past the last token. Only the final ``write_eof``
+        waits for the client. A client that went away still ends the request (the closing transport
+        raises ``ConnectionResetError``, and aiohttp's handler cancellation cancels it).
+        """
         prefix = {"generate": "", "completions": "cmpl-", "chat": "chatcmpl-"}[req.api]
         fmt = Formatter(
             req=req,
@@ -545,6 +564,7 @@ class Engine:
         )
         stall_after = faults.hang_after_chunks
         resp: web.StreamResponse | None = None
+        out: _Out | None = None
         if req.stream:
             resp = web.StreamResponse(
                 headers={
@@ -557,9 +577,10 @@ class Engine:
             entry = request.get("pdsim_log")
             if entry is not None:
                 entry["status"] = resp.status
-            await _write(resp, fmt.start_chunks())
-        if total == 0 and resp is not None:
-            await _write(resp, fmt.token_chunks(0, 0))
+            out = _Out(request, resp)
+            out.send(fmt.start_chunks())
+        if total == 0 and out is not None:
+            out.send(fmt.token_chunks(0, 0))
         for k in range(1, total + 1):
             if stall_after is not None and k > stall_after:
                 # Mid-stream hang: the first stall_after tokens went out, the rest never will.
@@ -567,12 +588,13 @@ class Engine:
             if on_token is not None:
                 await asyncio.sleep(self._token_delay_s(faults.slow))
                 on_token()
-            if resp is not None:
-                await _write(resp, fmt.token_chunks(k, total))
+            if out is not None:
+                out.send(fmt.token_chunks(k, total))
+        if on_done is not None:
+            on_done()  # generation is over: the slots are free whatever the client still has to read
         if resp is not None:
-            await _write(resp, fmt.end_chunks(total))
-            await resp.write(SSE_DONE)
-            await resp.write_eof()
+            # The tail and the end of the stream go through aiohttp, which waits for the client.
+            await resp.write_eof(_sse_bytes(fmt.end_chunks(total)) + SSE_DONE)
             return resp
         return web.json_response(fmt.full_response(total, extra), headers={"X-Request-Id": rid})
 
@@ -671,10 +693,32 @@ class _HttpError(Exception):
         self.status, self.message, self.code = status, message, code
 
 
-async def _write(resp: web.StreamResponse, chunks: Iterator[dict[str, Any]]) -> None:
-    data = b"".join(sse(c) for c in chunks)
-    if data:
-        await resp.write(data)
+def _sse_bytes(chunks: Iterator[dict[str, Any]]) -> bytes:
+    return b"".join(sse(c) for c in chunks)
+
+
+class _Out:
+    """A prepared streamed response's body, written straight to the transport without waiting for
+    the client to drain it (the transport buffers what the client has not read yet)."""
+
+    __slots__ = ("chunked", "transport")
+
+    def __init__(self, request: web.Request, resp: web.StreamResponse) -> None:
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("Cannot write to closing transport")
+        self.transport = transport
+        # aiohttp chose the framing in prepare(): chunked for HTTP/1.1, until-close for HTTP/1.0.
+        self.chunked = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
+
+    def send(self, chunks: Iterator[dict[str, Any]]) -> None:
+        transport = self.transport
+        if transport.is_closing():
+            # The client went away (its handler is being cancelled): stop generating for it.
+            raise ConnectionResetError("Cannot write to closing transport")
+        data = _sse_bytes(chunks)
+        if data:
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
 
 
 LOADS_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})

@@ -6,6 +6,7 @@ import asyncio
 import json
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -483,6 +484,110 @@ async def test_client_disconnect_frees_slot(launch: Launch) -> None:
         data = await _fire(s, d.url + "/v1/completions", {"prompt": "next", "max_tokens": 3})
         assert data["choices"][0]["text"] == expected_text(3)
         assert time.monotonic() - t1 < 1.0
+
+
+def _dechunk(body: bytes) -> bytes:
+    out, pos = bytearray(), 0
+    while True:
+        eol = body.index(b"\r\n", pos)
+        size = int(body[pos:eol].split(b";", 1)[0], 16)
+        if size == 0:
+            assert body[eol + 2 :] == b"\r\n", body[eol:][:100]
+            return bytes(out)
+        out += body[eol + 2 : eol + 2 + size]
+        assert body[eol + 2 + size : eol + 4 + size] == b"\r\n"
+        pos = eol + 4 + size
+
+
+@pytest.mark.parametrize("http_version", ["1.1", "1.0"])
+async def test_stalled_client_does_not_hold_decode_slot(launch: Launch, http_version: str) -> None:
+    """Like a real engine, generation runs at its own pace and the running count drops at the last
+    token while the output waits, buffered, for a client that does not read (chunked framing for
+    HTTP/1.1, until-close for HTTP/1.0)."""
+    (d,) = launch(decode_flags(2, "--decode-base-ms", "1", "--decode-per-seq-ms", "0"))
+    tokens = 1500  # /generate repeats the whole text in every event: ~8 MB, far over the socket buffers
+    payload = json.dumps({"text": "x", "sampling_params": {"max_new_tokens": tokens}, "stream": True})
+    head = (
+        f"POST /generate HTTP/{http_version}\r\nHost: 127.0.0.1:{d.port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    )
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)  # before connect: no autotuning
+    sock.settimeout(30)
+    try:
+        sock.connect(("127.0.0.1", d.port))
+        sock.sendall(head.encode() + payload.encode())
+        async with aiohttp.ClientSession() as s:
+            deadline = time.monotonic() + 30.0
+            while True:
+                m = await scrape(s, d)
+                if m["pdsim_tokens_total"] == tokens and m["pdsim_running"] == 0:
+                    break
+                assert time.monotonic() < deadline, m  # generation stalled behind the unread socket
+                await asyncio.sleep(0.05)
+            assert m["sglang:num_running_reqs"] == 0 and m["sglang:token_usage"] == 0
+            # Only now does the client read its answer: all of it is there.
+            loop = asyncio.get_running_loop()
+            raw = bytearray()
+            while data := await loop.run_in_executor(None, sock.recv, 1 << 20):
+                raw += data
+            m = await scrape(s, d)
+            assert m["pdsim_cancelled_total"] == 0
+            assert m["pdsim_requests_total"] == 1
+    finally:
+        sock.close()
+    header, _, body = bytes(raw).partition(b"\r\n\r\n")
+    status_line, *header_lines = header.decode().split("\r\n")
+    assert status_line.startswith(f"HTTP/{http_version} 200"), status_line
+    headers = {k.lower(): v.strip() for k, v in (ln.split(":", 1) for ln in header_lines)}
+    assert headers["content-type"].startswith("text/event-stream")
+    if http_version == "1.1":
+        assert headers["transfer-encoding"] == "chunked"
+        body = _dechunk(body)
+    else:
+        assert "transfer-encoding" not in headers and "content-length" not in headers
+    assert len(body) > 4_000_000
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    assert len(chunks) == tokens
+    assert [c["meta_info"]["completion_tokens"] for c in chunks] == list(range(1, tokens + 1))
+    assert chunks[-1]["text"] == expected_text(tokens)
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": tokens}
+
+
+async def test_stalled_client_going_away_cancels_generation(launch: Launch) -> None:
+    """A client that never reads and then disconnects still stops its generation and counts as
+    cancelled, although pdsim no longer waits on its socket between tokens."""
+    (d,) = launch(decode_flags(1, "--decode-base-ms", "2"))
+    payload = json.dumps({"prompt": "x", "max_tokens": 30000, "stream": True})
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{d.port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    sock.settimeout(30)
+    try:
+        sock.connect(("127.0.0.1", d.port))
+        sock.sendall(head.encode() + payload.encode())
+        async with aiohttp.ClientSession() as s:
+            deadline = time.monotonic() + 30.0
+            while (m := await scrape(s, d))["pdsim_tokens_total"] < 100:
+                assert time.monotonic() < deadline, m
+                await asyncio.sleep(0.02)
+            assert m["pdsim_running"] == 1
+            sock.close()  # unread data in its buffer: the close resets the connection
+            while (m := await scrape(s, d))["pdsim_running"] != 0 or m["pdsim_cancelled_total"] != 1:
+                assert time.monotonic() < deadline, m
+                await asyncio.sleep(0.02)
+            assert m["pdsim_tokens_total"] < 30000
+            # The freed slot serves the next request.
+            data = await _fire(s, d.url + "/v1/completions", {"prompt": "next", "max_tokens": 3})
+            assert data["choices"][0]["text"] == expected_text(3)
+    finally:
+        sock.close()
 
 
 # ---- prefill prefix cache --------------------------------------------------------------------
