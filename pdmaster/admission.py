@@ -182,6 +182,7 @@ class Ticket:
         "session_id",
         "slots",
         "state",
+        "unseen",
     )
 
     def __init__(
@@ -199,6 +200,8 @@ class Ticket:
         self.granted_at: float | None = None
         self.ended_at: float | None = None
         self.released = False
+        # The master no longer sees when this lease's decode ends (see AdmissionCore.end_unseen).
+        self.unseen = False
         self.avoid = _NO_AVOID  # nodes this ticket is never placed on
         self._loc = _NOWHERE
 
@@ -474,6 +477,9 @@ class AdmissionCore:
         # Slots ever granted per node (only grows): an Ack's kept_slots is the active slots minus
         # those granted since the previous Ack.
         self._granted_on: dict[str, int] = {}
+        # Slots of running leases whose decode end this master may not see in time (end_unseen):
+        # not counted in an Ack's kept_slots.
+        self._unseen_on: dict[str, int] = {}
         self._node_ver: dict[str, int] = {}
         self._ver = 0
         self._free_heap: list[tuple[int, str, int]] = []  # (-free, node, ver)
@@ -543,6 +549,20 @@ class AdmissionCore:
         """Slots granted on ``node`` since this core started (only grows)."""
         return self._granted_on.get(node, 0)
 
+    def sure_on(self, node: str) -> int:
+        """Slots of the leases on ``node`` whose decode end this master sees as it happens: all
+        running leases but those marked with :meth:`end_unseen` (the base of an Ack's kept_slots)."""
+        return self._active.get(node, 0) - self._unseen_on.get(node, 0)
+
+    def end_unseen(self, t: Ticket) -> None:
+        """The master stopped reading this lease's answer (a slow client): its decode may end in the
+        engine before the master can tell, so from now on it no longer counts as surely running
+        there. Idempotent; it lasts until the lease is released. Places nothing, changes no grant."""
+        if t.state is not _GRANTED or t.released or t.unseen or t.node is None:
+            return
+        t.unseen = True
+        self._unseen_on[t.node] = self._unseen_on.get(t.node, 0) + t.slots
+
     def wanted_slots(self) -> int:
         """Queued demand in slots (what the master reports to agents as ``wanted_slots``)."""
         return self._queued_slots
@@ -567,6 +587,8 @@ class AdmissionCore:
             "bypass": self._bypass,
             "capacity": self._capacity,
             "active": self._active_total,
+            # leases the master stopped reading for a slow client (end_unseen)
+            "unseen_slots": sum(self._unseen_on.values()),
             "queue_bound_slots": self._bound,
             "masters": self._masters,
             "queued_requests": self._queued_n,
@@ -853,6 +875,8 @@ class AdmissionCore:
         node = t.node
         if node is not None:
             self._active[node] -= t.slots
+            if t.unseen:
+                self._unseen_on[node] -= t.slots
             self._touch_node(node)
         self._active_total -= t.slots
         if t.session_id is not None:

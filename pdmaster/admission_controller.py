@@ -125,6 +125,11 @@ class Lease:
     def release(self) -> None:
         self._controller._release(self.ticket)
 
+    def end_unseen(self) -> None:
+        """The master stopped reading this lease's answer for a slow client: the engine may finish
+        it unseen, so it no longer counts in kept_slots (``AdmissionCore.end_unseen``)."""
+        self._controller.core.end_unseen(self.ticket)
+
     def __repr__(self) -> str:
         t = self.ticket
         return f"Lease(node={self.node}, slots={t.slots}, class={t.request_class.name})"
@@ -286,6 +291,9 @@ class AdmissionController:
 
     def granted_on(self, node: str) -> int:
         return self.core.granted_on(node)
+
+    def sure_on(self, node: str) -> int:
+        return self.core.sure_on(node)
 
     def wanted_slots(self) -> int:
         return self.core.wanted_slots()

@@ -27,6 +27,9 @@ SlotsProvider = Callable[[str], tuple[int, int]]
 EngineListener = Callable[[str, bool], None]
 # Slots this master has ever granted on a node (only grows): for the Ack's kept_slots.
 GrantedProvider = Callable[[str], int]
+# Slots of a node's running leases whose decode end this master sees as it happens (all but those it
+# stopped reading for a slow client): what the Ack's kept_slots counts from.
+SureProvider = Callable[[str], int]
 
 
 def _no_slots(_node_id: str) -> tuple[int, int]:
@@ -45,9 +48,11 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         max_reports_per_s: float = 50.0,
         on_engine: EngineListener | None = None,
         granted: GrantedProvider | None = None,
+        sure: SureProvider | None = None,
     ) -> None:
         self.on_engine = on_engine
         self.granted = granted  # None: Acks without kept_slots (as masters of earlier releases)
+        self.sure = sure  # None: every running lease counts
         self.master_id = master_id
         self.registry = registry
         self.metrics = metrics
@@ -71,7 +76,8 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         )
         if self.granted is not None:
             granted = self.granted(node_id)
-            ack.kept_slots = kept_slots(active, granted, mark)
+            sure = active if self.sure is None else min(active, self.sure(node_id))
+            ack.kept_slots = kept_slots(sure, granted, mark)
             mark = granted
         return pb.MasterMessage(ack=ack), mark
 

@@ -38,7 +38,7 @@ from pdmaster.engine.health import EngineBreakers, counts_as_failure
 from pdmaster.fanout import Part, split
 from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import RequestMetrics
-from pdmaster.relay import relay_body, relay_parts_body, relay_parts_stream, relay_stream
+from pdmaster.relay import NO_LEASE, relay_body, relay_parts_body, relay_parts_stream, relay_stream
 from pdmaster.routing import Router
 
 __all__ = ["RequestPipeline"]
@@ -320,7 +320,7 @@ class RequestPipeline:
             if ctx.parsed.stream:
                 resp = await relay_parts_stream(
                     ctx.request, ctx.parsed.kind, parts, answers, ctx.headers, ctx.metrics, ctx.arrived,
-                    first_output,
+                    first_output, ctx.lease or NO_LEASE,
                 )  # fmt: skip
                 self._stream_stalled(ctx, answers)
                 return resp
@@ -337,8 +337,9 @@ class RequestPipeline:
         assert ctx.decode is not None
         try:
             if ctx.parsed.stream:
+                lease = ctx.lease or NO_LEASE
                 resp = await relay_stream(
-                    ctx.request, answer, ctx.headers, ctx.metrics, ctx.arrived, first_output
+                    ctx.request, answer, ctx.headers, ctx.metrics, ctx.arrived, first_output, lease
                 )
                 self._stream_stalled(ctx, (answer,))
                 return resp

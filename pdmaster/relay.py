@@ -5,6 +5,11 @@ A streamed answer is written to the client's transport from the engine socket's 
 wakes per event. When more than :data:`WRITE_HIGH` bytes wait for a slow client, the engine socket
 stops being read until the client catches up. An engine failure after the first byte cannot change
 the status any more: it becomes an SSE error event and the stream ends.
+
+The decode lease follows the engine, not the client (strict handover compares the leases a master
+reports with the engine's own count): it is released as soon as the engine's answer has been read
+whole, before the last bytes reach a slow client; and once the engine socket stops being read, the
+engine may finish unseen, so the lease stops counting as surely running (``DecodeLease``).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from aiohttp import web
 
@@ -21,10 +27,40 @@ from pdmaster.engine import EngineError, EngineResponse
 from pdmaster.fanout import Part, StreamMerger, merge_bodies
 from pdmaster.metrics import EndpointMetrics
 
-__all__ = ["WRITE_HIGH", "relay_body", "relay_parts_body", "relay_parts_stream", "relay_stream", "sse_error"]
+__all__ = [
+    "NO_LEASE",
+    "WRITE_HIGH",
+    "DecodeLease",
+    "relay_body",
+    "relay_parts_body",
+    "relay_parts_stream",
+    "relay_stream",
+    "sse_error",
+]
 
 # Stop reading the engine above this many bytes queued for the client.
 WRITE_HIGH = 256 * 1024
+
+
+class DecodeLease(Protocol):
+    """What a streamed relay tells the admission lease of its answer (``admission_controller.Lease``)."""
+
+    def release(self) -> None:
+        """The engine's answer was read whole: its decode no longer runs."""
+
+    def end_unseen(self) -> None:
+        """The engine socket stopped being read for a slow client: the decode may end unseen."""
+
+
+class _NoLease:
+    def release(self) -> None:
+        pass
+
+    def end_unseen(self) -> None:
+        pass
+
+
+NO_LEASE: DecodeLease = _NoLease()
 
 
 def sse_error(message: str, type_: str = "upstream_error", code: str = "upstream_failed") -> bytes:
@@ -86,6 +122,7 @@ class _Stream:
         "chunked",
         "events",
         "first_output",
+        "lease",
         "metrics",
         "out",
         "request",
@@ -99,8 +136,10 @@ class _Stream:
         metrics: EndpointMetrics,
         arrived: float,
         first_output: Callable[[], None] | None,
+        lease: DecodeLease,
     ) -> None:
         self.request = request
+        self.lease = lease
         self.answers = answers
         self.metrics = metrics
         self.arrived = arrived
@@ -142,6 +181,7 @@ class _Stream:
             if out.get_write_buffer_size() > WRITE_HIGH:
                 for a in self.answers:
                     a.pause()
+                self.lease.end_unseen()
 
     async def finish(self, tail: Callable[[], bytes] = lambda: b"") -> web.StreamResponse:
         """Until every answer is complete (waiting for a slow client when asked to), then the end of
@@ -166,6 +206,8 @@ class _Stream:
             # Headers are gone already: the error becomes an SSE event and the stream ends.
             await self.resp.write(sse_error(f"decode stream failed: {exc}"))
         else:
+            # Every engine answer is complete: release the lease before the end drains to the client.
+            self.lease.release()
             self.write(tail())
         self.metrics.tokens.inc(self.events)
         self.metrics.ok.inc()
@@ -181,8 +223,9 @@ async def relay_stream(
     metrics: EndpointMetrics,
     arrived: float,
     first_output: Callable[[], None],
+    lease: DecodeLease = NO_LEASE,
 ) -> web.StreamResponse:
-    stream = _Stream(request, (answer,), metrics, arrived, first_output)
+    stream = _Stream(request, (answer,), metrics, arrived, first_output, lease)
     if not await stream.start(headers):
         return stream.resp
     out = stream.out
@@ -204,6 +247,7 @@ async def relay_stream(
         out.write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
         if out.get_write_buffer_size() > WRITE_HIGH:
             answer.pause()
+            lease.end_unseen()
 
     stream.first_output = None
     answer.relay(sink)
@@ -219,9 +263,10 @@ async def relay_parts_stream(
     metrics: EndpointMetrics,
     arrived: float,
     first_output: Callable[[], None],
+    lease: DecodeLease = NO_LEASE,
 ) -> web.StreamResponse:
     """The streams of a split request as one: events rewritten by a ``StreamMerger``."""
-    stream = _Stream(request, answers, metrics, arrived, first_output)
+    stream = _Stream(request, answers, metrics, arrived, first_output, lease)
     if not await stream.start(headers):
         return stream.resp
     merger = StreamMerger(kind, parts)

@@ -8,9 +8,11 @@ duration (default 20 s per mode).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import socket
 import threading
 import time
 from typing import Any
@@ -30,6 +32,7 @@ from tests.cluster.cluster_helpers import (
 from tests.cluster.test_cluster_suite import (
     CAPS,
     DECODE,
+    MODEL,
     Loads,
     decode_queued,
     load_guard,
@@ -335,3 +338,48 @@ def test_stopped_master_under_load_never_oversubscribes_the_engines(
         results
     )
     assert leases == {m: (0, 0) for m in masters}, leases
+
+
+def test_a_stalled_client_s_lease_stops_counting_once_its_engine_finished(cluster: LocalCluster) -> None:
+    """The engine stops counting a decode at its last token, whatever its client reads. From then on
+    the master must not count the lease as surely running there (the base of Ack.kept_slots): an
+    engine sample set against it would free slots a cut-off master still runs. A client that reads
+    nothing of an 8 MB answer: once the engine has finished, the master has released the lease (it
+    read the whole answer) or marked it unseen (it stopped reading the engine for the client); the
+    client then gets the whole answer, and the lease ends."""
+    c = cluster
+    c.start_master("m1", model=MODEL)
+    c.start_node("p1", "prefill", 4, model=MODEL)
+    c.start_node("d1", "decode", 4, model=MODEL)
+    c.wait_for(lambda: c.full_capacity_held(["m1"], {"p1": 4, "d1": 4}), timeout=30)
+    m1, d1 = c.masters["m1"], c.engines["d1"].url
+    tokens = 1500  # /generate repeats the text so far in every event: about 8 MB in all
+    body = json.dumps({"text": "x", "sampling_params": {"max_new_tokens": tokens}, "stream": True})
+    head = (
+        f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{m1.http_port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)  # before connect: no autotuning
+    sock.settimeout(60)
+    try:
+        sock.connect(("127.0.0.1", m1.http_port))
+        sock.sendall(head.encode() + body.encode())
+
+        def engine_done() -> bool:
+            m = scrape_metrics(d1)
+            return m.get("pdsim_tokens_total", 0.0) >= tokens and m.get("pdsim_running", 1.0) == 0
+
+        c.wait_for(engine_done, timeout=60, interval=0.05)
+        seen = m1.admission()
+        print(f"\nengine done, nothing read: active {seen['active']}, unseen {seen['unseen_slots']}")
+        assert seen["active"] - seen["unseen_slots"] == 0, seen
+        raw = bytearray()
+        while data := sock.recv(1 << 20):
+            raw += data
+    finally:
+        sock.close()
+    assert raw.startswith(b"HTTP/1.1 200"), bytes(raw[:200])
+    assert raw.count(b"data: {") == tokens, raw.count(b"data: {")
+    assert raw.endswith(b"0\r\n\r\n") and b"data: [DONE]" in raw[-64:], bytes(raw[-200:])  # chunked end
+    c.wait_for(lambda: m1.admission()["active"] == 0, timeout=10)

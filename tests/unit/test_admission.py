@@ -678,6 +678,32 @@ def test_granted_on_counts_every_slot_ever_granted_on_a_node() -> None:
     assert core.granted_on("elsewhere") == 0
 
 
+def test_a_lease_whose_decode_end_the_master_cannot_see_is_not_sure() -> None:
+    """Once the master stops reading a lease's answer (a slow client), the engine may finish it
+    unseen: it leaves ``sure_on`` (the base of an Ack's kept_slots) but still counts as active, and
+    leaves both when released."""
+    core = make({"d1": 4})
+    gang, one, two, queued = (
+        core.submit(2, COLD),
+        core.submit(1, COLD),
+        core.submit(1, COLD),
+        core.submit(1, COLD),
+    )
+    assert [t.state for t in (gang, one, two, queued)] == [G, G, G, Q]
+    assert core.sure_on("d1") == core.active_on("d1") == 4
+    core.end_unseen(gang)
+    core.end_unseen(gang)  # idempotent
+    assert core.sure_on("d1") == 2 and core.active_on("d1") == 4
+    assert core.snapshot()["unseen_slots"] == 2
+    core.end_unseen(queued)  # not running: nothing to mark
+    assert core.sure_on("d1") == 2
+    core.release(gang)  # frees 2 slots: the queued request takes one, seen
+    assert queued.state is G and core.active_on("d1") == 3 and core.sure_on("d1") == 3
+    assert core.snapshot()["unseen_slots"] == 0
+    core.end_unseen(gang)  # released: nothing to mark
+    assert core.sure_on("d1") == 3 and core.sure_on("elsewhere") == 0
+
+
 # -- pauses of the process (watch_pauses) ------------------------------------------------------
 
 

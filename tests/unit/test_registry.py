@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from pdmaster.coordination import CoordinationService
+from pdmaster.metrics import MasterMetrics
 from pdmaster.registry import DECODE, PREFILL, GrantResult, NodeRegistry, ProtocolError, kept_slots
 
 
@@ -117,3 +120,25 @@ def test_kept_slots_are_the_held_slots_not_granted_since_the_previous_ack() -> N
     assert kept_slots(5, 10, 10) == 5  # nothing granted since: every lease was held then
     assert kept_slots(5, 12, 10) == 3  # two granted since: at least three were held then
     assert kept_slots(2, 20, 10) == 0  # more granted than held: nothing can be said
+
+
+def test_an_ack_keeps_only_the_leases_whose_decode_end_the_master_sees() -> None:
+    """kept_slots counts from the leases the master sees running (``sure``), not every active one: a
+    lease it stopped reading for a slow client may have ended in the engine already."""
+    counts = {"active": 5, "granted": 12, "sure": 3}
+    svc = CoordinationService(
+        "m",
+        NodeRegistry(),
+        MasterMetrics(CollectorRegistry(), "m"),
+        slots=lambda _node: (counts["active"], 0),
+        granted=lambda _node: counts["granted"],
+        sure=lambda _node: counts["sure"],
+    )
+    msg, mark = svc._ack("d1", 7, 1, 10)
+    assert msg.ack.active_slots == 5 and msg.ack.kept_slots == 1 and mark == 12  # 3 sure - 2 granted since
+    counts["sure"] = 9  # never above the active slots
+    msg, _ = svc._ack("d1", 7, 2, 12)
+    assert msg.ack.kept_slots == 5
+    metrics = MasterMetrics(CollectorRegistry(), "m")
+    without = CoordinationService("m", NodeRegistry(), metrics, slots=lambda _: (5, 0), granted=lambda _: 12)
+    assert without._ack("d1", 7, 1, 12)[0].ack.kept_slots == 5  # no ``sure``: every active lease counts
