@@ -21,6 +21,7 @@ import grpc
 import grpc.aio
 from aiohttp import web
 
+from nodeagent.handover import END_SEEN_S
 from nodeagent.probe import EngineHealth, LoadProbe, check_health
 from nodeagent.reachability import GONE_PROBES_S, host_port, refuses_connections
 from nodeagent.slicing import BRACKET_ACK_WAIT_S, SharePolicy, Slicer
@@ -669,7 +670,11 @@ class NodeAgent:
             ):
                 self._changed()
             if bracket and sample.probe_ok and self.slicer.waits_for_bracket:
-                self._poll_connected()  # their answers close the bracket
+                # Their answers close the bracket, once the masters could have read the ends of the
+                # decodes the sample no longer counted.
+                await asyncio.sleep(END_SEEN_S)
+                if self.slicer.waits_for_bracket:
+                    self._poll_connected()
             bracket_next = sample.probe_ok and self.slicer.waits_for_bracket
             if changed and not self._load_dirty:
                 self._load_dirty = True

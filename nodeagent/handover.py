@@ -30,15 +30,20 @@ no turnover, the master comes back, or ``orphan_timeout_s``. Orphans of masters 
 drained and revoked their key, are still set against the acked counts: their requests were cancelled
 or have ended, and that keeps a killed master's failover one sample long.
 
+A lease's end. The engine stops counting a decode at its last token, whatever the client reads; the
+master releases a streamed lease as soon as it has read the engine's answer whole (not once a slow
+client has it all), and a lease whose answer it stopped reading for a slow client no longer counts in
+``kept_slots`` (``AdmissionCore.end_unseen``): the engine may finish it unseen. What is left is the
+moment between the engine's count dropping and its last bytes reaching the master; the Report that
+closes a bracket goes ``END_SEEN_S`` after the sample for that.
+
 Known gap. Masters of an earlier release send no ``kept_slots``; their acked counts stand in as
-before, so with them the stale-Ack case above remains (pinned by the ``known_gap`` tests). And a
-lease the decode engine does not count yet (in its prefill under the vLLM protocol; under SGLang's
-waiting for its KV outside the running count) but kept across both Acks is counted as running: the
-bound is exact only once the master counts just the leases whose decode has started. The same holds
-at the other end: a lease whose decode has ended while the master still relays its last tokens (a
-slow client) is no longer counted by the engine but is by the master. ``kept_slots`` subtracts every
-grant made between the two Acks, which makes such an early release less likely but does not rule it
-out; a count that ends each lease at the engine's last token would.
+before, so with them the stale-Ack case above remains (pinned by the ``known_gap`` tests), and they
+hold a lease until a slow client has its answer. And a lease the decode engine does not count yet (in
+its prefill under the vLLM protocol; under SGLang's waiting for its KV outside the running count) but
+kept across both Acks is counted as running: the bound is exact only once the master counts just the
+leases whose decode has started. ``kept_slots`` subtracts every grant made between the two Acks, which
+makes such an early release less likely but does not rule it out.
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 STARTUP = "(startup)"
+# How much later than an engine sample the Report whose Ack closes its bracket is sent. A master
+# learns that a decode ended when the engine's last bytes reach it, a moment after the engine
+# stopped counting it: an Ack built sooner could still count that lease as running at the sample.
+END_SEEN_S = 0.05
 # Grants kept per master while unacknowledged; older ones are merged (keeping the larger share).
 _MAX_ISSUED = 16
 
@@ -269,12 +278,12 @@ class Handover:
     def _surely_running(h: Holder, s: Sample, at_sample: bool) -> int:
         """Slots this live master surely ran at sample ``s``. One that sends kept_slots: its kept
         leases once its last two Acks bracket the sample (the one before came in before the sample
-        started, the last answers a Report sent after it came back), else nothing. One of an
+        started, the last answers a Report sent END_SEEN_S after it came back), else nothing. One of an
         earlier release: its acked active slots, when the sample is new (as before; see the known
         gap), and nothing when weighing an older sample again."""
         if h.kept is None:
             return h.active if at_sample else 0
-        if h.prev_acked_at < s.taken_at and h.answers_sent_at >= s.done_at:
+        if h.prev_acked_at < s.taken_at and h.answers_sent_at >= s.done_at + END_SEEN_S:
             return h.kept
         return 0
 

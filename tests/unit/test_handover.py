@@ -7,7 +7,7 @@ import string
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nodeagent.handover import STARTUP, Handover
+from nodeagent.handover import END_SEEN_S, STARTUP, Handover
 from nodeagent.slicing import (
     GONE_SAMPLE_DELAY_S,
     SharePolicy,
@@ -485,6 +485,18 @@ def test_a_sample_counts_only_the_leases_a_master_kept_between_acks_around_it() 
     assert s.on_ack("a", s.epoch, 3, 0, 3.3, 14, kept=3, answers_sent_at=3.2)
     assert s.snapshot()["orphans"] == {"b": 2}
     assert s.share_for("a") == 6
+
+
+def test_an_ack_to_a_report_sent_right_after_the_sample_does_not_close_the_bracket() -> None:
+    """The engine stops counting a decode a moment before its last bytes reach the master, which
+    only then stops counting the lease: an Ack to a Report sent less than END_SEEN_S after the
+    sample came back (at 3.15) may still count a lease the sample did not, so it frees nothing."""
+    s = _cut_off_b_while_a_turns_over(kept=True)
+    s.on_ack("a", s.epoch, 3, 0, 3.3, 14, kept=3, answers_sent_at=3.15 + END_SEEN_S / 2)
+    assert s.snapshot()["orphans"] == {"b": 4}
+    s = _cut_off_b_while_a_turns_over(kept=True)
+    s.on_ack("a", s.epoch, 3, 0, 3.3, 14, kept=3, answers_sent_at=3.15 + END_SEEN_S)
+    assert s.snapshot()["orphans"] == {"b": 2}
 
 
 def test_acks_that_do_not_bracket_the_sample_free_nothing() -> None:
