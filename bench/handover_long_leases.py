@@ -10,14 +10,31 @@ revision by putting that tree first on the path, e.g. a worktree of the commit b
     git worktree add /tmp/pdcoord-before 8eba884
     PYTHONPATH=/tmp/pdcoord-before .venv/bin/python bench/handover_long_leases.py --seeds 100
 
+Slow clients and how masters end their leases (``SimConfig.lease_end``, ``slow_fraction``,
+``relay_mean_s``; the agent's ``end_seen_s``) are flags; a tree whose model lacks one of them runs
+only with that flag at its default:
+
+    .venv/bin/python bench/handover_long_leases.py --seeds 30 --slow-fraction 0.1
+    .venv/bin/python bench/handover_long_leases.py --seeds 30 --slow-fraction 0.1 --lease-end relay
+
 Prints one line per (policy, mean lease) and writes nothing: the counts are the result.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import sys
 
 from pdcoord.dev.protocol_model import ProtocolSim, SimConfig
+
+# Flags for SimConfig fields that older models lack: (field, its default in those that have it).
+KNOBS = {
+    "lease_end": "seen",
+    "slow_fraction": 0.0,
+    "relay_mean_s": 2.0,
+    "end_seen_s": None,  # None: the model's own default (nodeagent.handover.END_SEEN_S)
+}
 
 
 def config(policy: str, hold_s: float) -> SimConfig:
@@ -32,16 +49,57 @@ def config(policy: str, hold_s: float) -> SimConfig:
     )
 
 
+def knobs(args: argparse.Namespace) -> dict[str, object]:
+    """The SimConfig fields the flags change; exits when this tree's model lacks one of them."""
+    have = {f.name for f in dataclasses.fields(SimConfig)}
+    out: dict[str, object] = {}
+    for name, default in KNOBS.items():
+        value = getattr(args, name)
+        if value is None or value == default:
+            continue
+        if name not in have:
+            sys.exit(f"this tree's protocol model has no SimConfig.{name}: run without that flag")
+        out[name] = value
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=100)
     p.add_argument("--holds", default="0.3,3,10", help="mean lease durations, seconds")
+    p.add_argument(
+        "--lease-end",
+        dest="lease_end",
+        choices=("seen", "relay"),
+        default="seen",
+        help="masters of this release (seen) or of earlier ones, which hold a lease until relayed (relay)",
+    )
+    p.add_argument(
+        "--slow-fraction", dest="slow_fraction", type=float, default=0.0, help="leases of a slow client"
+    )
+    p.add_argument(
+        "--relay-mean",
+        dest="relay_mean_s",
+        type=float,
+        default=2.0,
+        help="mean seconds from a slow client's decode end until it has the answer",
+    )
+    p.add_argument(
+        "--end-seen",
+        dest="end_seen_s",
+        type=float,
+        default=None,
+        help="seconds after a sample the agent closes its bracket (default: END_SEEN_S)",
+    )
     args = p.parse_args()
+    extra = knobs(args)
+    if extra:
+        print("with", ", ".join(f"{k}={v}" for k, v in extra.items()), flush=True)
     for policy in ("static", "demand"):
         for hold_s in (float(x) for x in args.holds.split(",")):
             over, unconverged = [], []
             for seed in range(args.seeds):
-                sim = ProtocolSim(config(policy, hold_s), seed)
+                sim = ProtocolSim(dataclasses.replace(config(policy, hold_s), **extra), seed)
                 if sim.run().violations:
                     over.append(seed)
                 if sim.converged():

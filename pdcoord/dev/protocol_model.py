@@ -11,6 +11,13 @@ really use on it. After every event the model checks, for every node,
 
 which is the strict-handover promise (DESIGN §4). The same harness drives the demand-policy
 benchmark, with Poisson arrivals per master and leases held for a random time.
+
+A lease ends twice. Its decode ends in the engine, which stops counting it; the master learns that
+when the engine's last bytes reach it, a one-way delay later, and releases it then. A lease whose
+client is slow (``slow_fraction``) is released only once that client has caught up, ``relay`` seconds
+after its decode ended: masters of this release (``lease_end="seen"``) stopped reading its answer
+before that (``AdmissionCore.end_unseen``) and no longer count it as surely running; masters of
+earlier releases (``"relay"``) count it as running until they release it.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from nodeagent.handover import END_SEEN_S
 from nodeagent.slicing import BRACKET_ACK_WAIT_S, PEER_DETECT_S, SharePolicy, Slicer
 from pdmaster.admission import AdmissionCore, AdmissionPolicy, RequestClass, Ticket, TicketState
 from pdmaster.registry import DECODE, NodeRegistry, ProtocolError, ShareChanges, kept_slots, split_changes
@@ -61,6 +69,17 @@ class SimConfig:
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     # Masters send Ack.kept_slots (this release); False: as masters of earlier releases.
     kept_acks: bool = True
+    # How masters end a lease (see the module docstring): "seen", as this release (a slow client's
+    # lease is marked end_unseen when its relay pauses, and kept_slots counts from sure_on), or
+    # "relay", as earlier releases (held and counted as running until its last bytes are relayed).
+    lease_end: str = "seen"
+    # Leases whose client falls so far behind that the relay pauses (more than 256 KiB queued), and
+    # the mean time (exponential) from the end of their decode until that client has it all.
+    slow_fraction: float = 0.0
+    relay_mean_s: float = 2.0
+    # How long after an engine sample came back the agent sends the Reports whose Acks close its
+    # bracket, and the least it accepts (nodeagent.handover.END_SEEN_S; NodeAgent._probe_loop).
+    end_seen_s: float = END_SEEN_S
     # Masters started at the beginning (default: all of ``masters``); the others start by churn.
     start_masters: tuple[str, ...] | None = None
     # Scheduled churn after the warm-up: (time, "join" | "drain" | "die", master), time in seconds
@@ -115,6 +134,7 @@ class SimAgent:
     watch_last: float = 0.0  # etcd watch events arrive in order
     bracket_next: bool = False  # the next engine sample gets Acks around it (NodeAgent._probe_loop)
     polled: list[Link] | None = None  # the links asked before a bracketed sample, until it is taken
+    closing: bool = False  # waiting end_seen_s to close a sample's bracket: no new sample until then
 
 
 @dataclass
@@ -129,6 +149,10 @@ class SimMaster:
     core: AdmissionCore | None = None
     streams: dict[str, Stream] = field(default_factory=dict)  # node -> the stream it holds
     leases: dict[int, Ticket] = field(default_factory=dict)
+    # Its leases whose decode still runs in the engine (ticket ids), and their slots per node: what
+    # the engine counts, which is not what the master holds for the moments after a decode ended.
+    decoding: set[int] = field(default_factory=set)
+    decoding_on: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -139,7 +163,8 @@ class Stats:
     granted: dict[str, int] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)
     waits: dict[str, list[float]] = field(default_factory=dict)
-    busy_slot_s: float = 0.0  # Σ over time of leases running, for utilisation
+    busy_slot_s: float = 0.0  # Σ over time of slots the engines run, for utilisation
+    slow_leases: int = 0  # leases granted to a slow client (slow_fraction)
     measured_s: float = 0.0
     events: int = 0
     # Per churn event: (time, kind, master, seconds until every node converged; None: not within
@@ -150,6 +175,8 @@ class Stats:
 
 class ProtocolSim:
     def __init__(self, cfg: SimConfig, seed: int) -> None:
+        if cfg.lease_end not in ("seen", "relay"):
+            raise ValueError(f"lease_end {cfg.lease_end!r}: 'seen' or 'relay'")
         self.cfg = cfg
         self.rng = random.Random(seed)
         self.now = 0.0
@@ -199,13 +226,22 @@ class ProtocolSim:
     def _account(self, t: float) -> None:
         if t > self._last_t:
             if self._last_t >= self.measure_from:
-                running = sum(m.core.active for m in self.masters.values() if m.alive and m.core is not None)
+                # What the engines run: a lease the master still holds after its decode ended (until
+                # the end reaches it, or a slow client caught up) is no work done.
+                running = sum(sum(m.decoding_on.values()) for m in self.masters.values() if m.alive)
                 self.stats.busy_slot_s += running * (t - self._last_t)
                 self.stats.measured_s += t - self._last_t
             self._last_t = t
 
     # -- the invariant ------------------------------------------------------------------------
     def usable(self, node: str) -> int:
+        """Σ over live masters of max(share, its leases the engine runs): most the engine may have
+        to run at once from now on. A master counts its leases from grant to release, which covers
+        every lease of it the engine runs, so it grants at most share - held ≤ share - running more:
+        its engine load stays within max(share, running). The leases it still holds after their
+        decode ended (the end on its way, a slow client catching up) use no engine slot, and a
+        sample that frees them for another master does not oversubscribe the engine: counting them
+        here would flag exactly the release strict handover is meant to make."""
         total = 0
         for m in self.masters.values():
             if not m.alive or m.core is None:
@@ -214,7 +250,7 @@ class ProtocolSim:
             share = n.effective_share if n is not None else 0
             if m.draining and m.core.queued_requests == 0:
                 share = 0  # takes no new requests and has none waiting: it can only finish leases
-            total += max(share, m.core.active_on(node))
+            total += max(share, m.decoding_on.get(node, 0))
         return total
 
     def check(self) -> None:
@@ -398,6 +434,7 @@ class ProtocolSim:
         m.registry = NodeRegistry()
         m.core = AdmissionCore(self.cfg.admission, clock=lambda: self.now)
         m.streams, m.leases = {}, {}
+        m.decoding, m.decoding_on = set(), {}
         # The master's own path: the registry hands admission only the nodes whose share changed.
         m.registry.subscribe_changes(lambda changes, m=m: self.master_shares(m, changes))  # type: ignore[misc]
         self.etcd.add(mid)
@@ -437,11 +474,40 @@ class ProtocolSim:
 
     def _granted(self, m: SimMaster, t: Ticket) -> None:
         m.leases[t.id] = t
+        assert t.node is not None
+        m.decoding.add(t.id)
+        m.decoding_on[t.node] = m.decoding_on.get(t.node, 0) + t.slots
         if self.now >= self.measure_from:
             self.stats.granted[m.mid] = self.stats.granted.get(m.mid, 0) + 1
             self.stats.waits.setdefault(m.mid, []).append(t.wait_s or 0.0)
-        hold = self.rng.expovariate(1 / self.cfg.hold_mean_s)
-        self.after(hold, lambda inc=m.inc: self.lease_end(m, inc, t))  # type: ignore[misc]
+        cfg = self.cfg
+        hold = self.rng.expovariate(1 / cfg.hold_mean_s)
+        relay = 0.0
+        if cfg.slow_fraction > 0 and self.rng.random() < cfg.slow_fraction:
+            self.stats.slow_leases += 1
+            relay = self.rng.expovariate(1 / cfg.relay_mean_s)
+            # The relay pauses once the client is far enough behind, some time during the decode.
+            # Drawn in both modes, so that a seed offers the same traffic to either.
+            paused = self.rng.uniform(0.0, hold)
+            if cfg.lease_end == "seen":
+                self.after(paused, lambda inc=m.inc: self.lease_unseen(m, inc, t))  # type: ignore[misc]
+        self.after(hold, lambda inc=m.inc: self.decode_end(m, inc, t, relay))  # type: ignore[misc]
+
+    def lease_unseen(self, m: SimMaster, inc: int, t: Ticket) -> None:
+        self._skip_check = True  # changes no share and no lease
+        if m.inc == inc and m.alive and m.core is not None:
+            m.core.end_unseen(t)
+
+    def decode_end(self, m: SimMaster, inc: int, t: Ticket, relay: float) -> None:
+        """The engine finished the decode: it no longer counts it. The master releases the lease once
+        the last bytes reached it, and for a slow client once that client has them too."""
+        self._skip_check = not self.cfg.check_traffic_events
+        if m.inc != inc or not m.alive or t.id not in m.decoding:
+            return  # the process died with its leases
+        m.decoding.discard(t.id)
+        assert t.node is not None
+        m.decoding_on[t.node] -= t.slots
+        self.after(self.delay() + relay, lambda: self.lease_end(m, inc, t))
 
     def lease_end(self, m: SimMaster, inc: int, t: Ticket) -> None:
         self._skip_check = not self.cfg.check_traffic_events
@@ -474,6 +540,7 @@ class ProtocolSim:
         m.alive = False
         m.core = None  # the engine cancels the dead process's requests: its leases vanish
         m.leases = {}
+        m.decoding, m.decoding_on = set(), {}
         for s in list(m.streams.values()):
             s.cut = True
             s.master_open = False
@@ -510,6 +577,7 @@ class ProtocolSim:
             m.draining = False
             m.core = None
             m.leases = {}
+            m.decoding, m.decoding_on = set(), {}
             for s in list(m.streams.values()):
                 s.master_open = False
                 s.cut = True
@@ -570,7 +638,9 @@ class ProtocolSim:
         kept = None
         if self.cfg.kept_acks:
             granted = m.core.granted_on(s.node)
-            kept = kept_slots(active, granted, s.kept_mark)
+            # As CoordinationService._ack: this release counts only the leases whose end it sees.
+            sure = min(active, m.core.sure_on(s.node)) if self.cfg.lease_end == "seen" else active
+            kept = kept_slots(sure, granted, s.kept_mark)
             s.kept_mark = granted
         self._send_m2a(s, node.epoch, active, wanted, m.draining, seq, kept)
 
@@ -590,7 +660,7 @@ class ProtocolSim:
         a.inc += 1
         a.alive = True
         a.links = {}
-        a.polled, a.bracket_next = None, False
+        a.polled, a.bracket_next, a.closing = None, False, False
         a.slicer = Slicer(
             node_id=a.node,
             capacity=a.capacity,
@@ -702,6 +772,10 @@ class ProtocolSim:
             link.backoff = 0.1
             changed |= a.slicer.stream_up(s.master, self.now, self.time_ns())
         answers = link.report_sent_at if seq and seq == link.report_seq else -math.inf
+        # The handover accepts a closing Ack only for a Report sent END_SEEN_S after the sample came
+        # back; an agent that waits (and accepts) end_seen_s instead is the same comparison with
+        # the send time shifted by the difference.
+        answers += END_SEEN_S - self.cfg.end_seen_s
         link.answered_seq = seq
         changed |= a.slicer.on_ack(
             s.master,
@@ -759,7 +833,7 @@ class ProtocolSim:
 
     def agent_probe(self, a: SimAgent) -> None:
         self.after(self.cfg.probe_s, lambda: self.agent_probe(a))
-        if not a.alive or a.slicer is None or a.polled is not None:
+        if not a.alive or a.slicer is None or a.polled is not None or a.closing:
             return
         if a.bracket_next and a.slicer.waits_for_bracket:
             # As NodeAgent._probe_loop: Acks from every connected master first, then the sample.
@@ -783,9 +857,7 @@ class ProtocolSim:
         if not a.alive or a.slicer is None:
             return
         taken = self.now
-        running = sum(
-            m.core.active_on(a.node) for m in self.masters.values() if m.alive and m.core is not None
-        )
+        running = sum(m.decoding_on.get(a.node, 0) for m in self.masters.values() if m.alive)
         inc = a.inc
 
         def deliver() -> None:
@@ -795,11 +867,23 @@ class ProtocolSim:
             assert a.slicer is not None
             if a.slicer.on_probe(running, taken, self.now, self.time_ns()):
                 self._changed(a)
+            if bracket and a.slicer.waits_for_bracket:
+                a.closing = True
+                self.after(self.cfg.end_seen_s, close)
+            else:
+                a.bracket_next = a.slicer.waits_for_bracket
+
+        def close() -> None:
+            # Their answers close the bracket, once the masters could have read the ends of the
+            # decodes the sample no longer counted.
+            if not a.alive or a.inc != inc or a.slicer is None:
+                return
+            a.closing = False
             waits = a.slicer.waits_for_bracket
-            if bracket and waits:
+            if waits:
                 for link in a.links.values():
                     if link.up:
-                        self.agent_send(a, link, "report")  # their answers close the bracket
+                        self.agent_send(a, link, "report")
             a.bracket_next = waits
 
         self.after(self.delay(), deliver)
