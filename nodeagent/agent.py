@@ -78,6 +78,7 @@ class MasterEntry:
     address: str  # host:port of its gRPC service
     keepalive_s: float = DEFAULT_KEEPALIVE_S  # an older master's key does not say: its default
     detect_s: float = 0.0  # how soon it notices a cut stream; 0: not said (PEER_DETECT_S covers it)
+    drained: bool = False  # it drained: nothing of it runs any more (written just before it goes)
 
 
 _ROLE = {"prefill": pb.PREFILL, "decode": pb.DECODE}
@@ -297,7 +298,9 @@ class NodeAgent:
                 # bool is an int: refuse it too; a negative or absurd time is a broken key
                 if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= MAX_ADVERTISED_S:
                     raise ValueError(f"{k} {v!r}")
-            entry = MasterEntry(addr, **{k: float(v) for k, v in timing.items()})
+            entry = MasterEntry(
+                addr, **{k: float(v) for k, v in timing.items()}, drained=doc.get("drained") is True
+            )
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring master %s with unusable value %r (%s)", mid, value[:200], exc)
             return "", None
@@ -311,6 +314,8 @@ class NodeAgent:
             if entry is None or (entry.address, entry.keepalive_s) != (link.address, link.keepalive_s):
                 self._drop_link(mid)
         for mid, entry in current.items():
+            if entry.drained:
+                self.slicer.master_drained(mid)
             # Before the master joins the split: its slots may have to wait for it once it leaves.
             if self.slicer.allow_peer_detect(entry.detect_s):
                 log.info(

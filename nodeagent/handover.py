@@ -28,7 +28,10 @@ waits (``NodeAgent._probe_loop``). Leases granted between them count for nothing
 stream of short requests the last few slots of a cut-off master can stay reserved until a round sees
 no turnover, the master comes back, or ``orphan_timeout_s``. Orphans of masters found gone, or that
 drained and revoked their key, are still set against the acked counts: their requests were cancelled
-or have ended, and that keeps a killed master's failover one sample long.
+or have ended, and that keeps a killed master's failover one sample long. A sample bounds what the
+orphans it weighs run together, not each one, and the cut goes in name order, so what is left of one
+may cover another's leases: when one of them then goes alone (its master came back, or said what it
+still runs), its slots stay reserved under the pool's name until a sample frees them.
 
 A lease's end. The engine stops counting a decode at its last token, whatever the client reads; the
 master releases a streamed lease as soon as it has read the engine's answer whole (not once a slow
@@ -102,6 +105,18 @@ class Orphan:
     # Its requests were cancelled or have ended (its process is gone, or it drained and revoked its
     # key): the live masters' acked counts may be set against a sample as they are (``reconsider``).
     gone: bool = False
+    # Set when a sample cut it together with other orphans (``_cut``): what is left of them covers
+    # all their leases together, not each its own, so none of it may go with this one alone.
+    pool: int | None = None
+
+
+@dataclass(frozen=True)
+class _Pool:
+    """Orphans one sample cut together: the latest of their times and whether all were gone."""
+
+    since: float
+    not_before: float
+    gone: bool
 
 
 @dataclass(frozen=True)
@@ -134,6 +149,8 @@ class Handover:
         self.holders: dict[str, Holder] = {}
         self.orphans: dict[str, Orphan] = {}
         self.sample: Sample | None = None  # the latest; Acks that bracket it may release more
+        self._pools: dict[int, _Pool] = {}
+        self._pool_ids = 0
         if strict:
             # Masters still attached to the previous incarnation keep their shares until they notice
             # its streams are gone, which their keep-alive does within ``startup_wait_s``.
@@ -165,11 +182,13 @@ class Handover:
             return
         slots = h.active if draining else h.bound
         old = self.orphans.get(master_id)
+        pool = None
         if old is not None:
             slots = max(slots, old.slots)
             not_before = max(not_before, old.not_before)
+            pool = old.pool
         if slots > 0:
-            self.orphans[master_id] = Orphan(slots, now, epoch, not_before)
+            self.orphans[master_id] = Orphan(slots, now, epoch, not_before, pool=pool)
 
     def mark_gone(self, master_id: str) -> None:
         """The departed master's requests were cancelled or have ended (Slicer._left_for_good)."""
@@ -204,6 +223,7 @@ class Handover:
             # Still talking after it left: once it applied a grant issued after it left (which was
             # 0), or while it drains with nothing queued, only its running leases count.
             if o is not None and (applied_epoch > o.epoch or (draining and wanted == 0)):
+                self._unpool(o, o.slots - min(o.slots, active))
                 o.slots = min(o.slots, active)
                 if o.slots == 0:
                     del self.orphans[master_id]
@@ -222,7 +242,9 @@ class Handover:
             h.prev_acked_at, h.acked_at = h.acked_at, now
         h.answers_sent_at = answers_sent_at
         # A returning master reports the truth: what was reserved for it is now its bound.
-        self.orphans.pop(master_id, None)
+        o = self.orphans.pop(master_id, None)
+        if o is not None:
+            self._unpool(o, o.slots)
 
     def probe(
         self,
@@ -288,8 +310,20 @@ class Handover:
         return 0
 
     def _cut(self, mids: list[str], cap: int) -> None:
-        """Lower these orphans, in order, until together they fit in ``cap``."""
+        """Lower these orphans, in order, until together they fit in ``cap``. Several cut together
+        form a pool: the sample bounds what they all run, not what each does (see :meth:`_unpool`)."""
         total = sum(self.orphans[m].slots for m in mids)
+        if total > cap and len(mids) > 1:
+            members = [self.orphans[m] for m in mids]
+            for o in members:
+                o.pool = None
+            live = {o.pool for o in self.orphans.values()}
+            self._pools = {i: p for i, p in self._pools.items() if i in live}  # the rest are done
+            self._pool_ids += 1
+            since, not_before = max(o.since for o in members), max(o.not_before for o in members)
+            self._pools[self._pool_ids] = _Pool(since, not_before, all(o.gone for o in members))
+            for o in members:
+                o.pool = self._pool_ids
         for mid in mids:
             if total <= cap:
                 break
@@ -299,6 +333,20 @@ class Handover:
             total -= cut
             if o.slots == 0:
                 del self.orphans[mid]
+
+    def _unpool(self, o: Orphan, slots: int) -> None:
+        """``slots`` of a pooled orphan leave it on their own (its master came back, or said what it
+        still runs): after the cut they may cover another member's leases, so they stay reserved,
+        under the pool's own name, until a sample or the timeout frees them."""
+        if o.pool is None or slots <= 0:
+            return
+        p = self._pools[o.pool]
+        key = f"(pool {o.pool})"
+        kept = self.orphans.get(key)
+        if kept is not None:
+            kept.slots += slots
+        else:
+            self.orphans[key] = Orphan(slots, p.since, 0, p.not_before, gone=p.gone, pool=o.pool)
 
     def waits_for_bracket(self, reachable: Iterable[str]) -> bool:
         """Some reserved slots of a master that may be alive wait for a sample that the live

@@ -274,6 +274,12 @@ class Slicer:
         self._draining &= set(self.views)
         return self._recompute(now, time_ns)
 
+    def master_drained(self, master_id: str) -> None:
+        """The master's etcd key says it drained: it takes no new work and none of its requests runs
+        any more (it writes that only then, just before it revokes the key). As an Ack saying it
+        drains with an empty queue, but also for a master none of whose Acks said so before it went."""
+        self._draining.add(master_id)
+
     def stream_up(self, master_id: str, now: float, time_ns: int) -> bool:
         view = self.views.setdefault(master_id, MasterView())
         view.connected = True

@@ -20,6 +20,7 @@ class Lifecycle:
         self._registered: Callable[[], bool] = lambda: False
         self.draining = False
         self.in_flight = 0
+        self._tasks: set[asyncio.Task[object]] = set()  # the requests in flight, to cancel them
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -39,13 +40,28 @@ class Lifecycle:
         return True
 
     def enter(self) -> None:
+        """A request starts, in the task that serves it."""
         self.in_flight += 1
         self._idle.clear()
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
 
     def leave(self) -> None:
         self.in_flight -= 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.discard(task)
         if self.in_flight == 0:
             self._idle.set()
+
+    def cancel_in_flight(self) -> int:
+        """Cancel the requests still in flight (their leases are released and their engine
+        connections closed, which cancels them in the engines); returns how many."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        return len(tasks)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Until no request is in flight; False when ``timeout`` passed first."""

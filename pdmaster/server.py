@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 # How often a master counts the live masters in etcd (the floor of its admission queue bound, see
 # AdmissionCore._queue_bound): one small range read; a count a few seconds old only moves a bound.
 MASTERS_POLL_S = 2.0
+# After a drain timeout, how long the cancelled requests get to end before the key is revoked.
+CANCEL_WAIT_S = 2.0
 
 
 # Keep-alive, so that a silently cut agent stream is noticed within --keepalive + --keepalive-timeout
@@ -139,6 +141,7 @@ class MasterServer:
         )
         self.etcd = EtcdClient(cfg.etcd.endpoints, **cfg.etcd.options)
         self.registration: Registration | None = None
+        self._key_doc: dict[str, object] = {}  # the value of masters/<id>
         self.grpc_server: grpc.aio.Server | None = None
         self.http_runner: web.AppRunner | None = None
         self.admin_runner: web.AppRunner | None = None
@@ -276,19 +279,18 @@ class MasterServer:
             )
 
         advertise = cfg.advertise_host or cfg.grpc_host
-        value = json.dumps(
-            {
-                "master_id": self.master_id,
-                "grpc": f"{advertise}:{self.grpc_port}",
-                "http": f"http://{advertise}:{self.http_port}",
-                "version": __version__,
-                "started_at": time.time(),
-                # how often this master pings an idle agent stream, and how soon it notices one cut
-                "keepalive_s": cfg.keepalive,
-                "detect_s": cfg.detect_s,
-            }
-        ).encode()
+        self._key_doc = {
+            "master_id": self.master_id,
+            "grpc": f"{advertise}:{self.grpc_port}",
+            "http": f"http://{advertise}:{self.http_port}",
+            "version": __version__,
+            "started_at": time.time(),
+            # how often this master pings an idle agent stream, and how soon it notices one cut
+            "keepalive_s": cfg.keepalive,
+            "detect_s": cfg.detect_s,
+        }
         key = self.keys.master(self.master_id)
+        value = json.dumps(self._key_doc).encode()
         registration = Registration(self.etcd, key, value, ttl=cfg.etcd.lease_ttl)
         try:
             # Retries for as long as etcd is unreachable; raises only on a configuration error.
@@ -347,9 +349,22 @@ class MasterServer:
         """Stop taking new work, let in-flight requests finish, then give the shares back."""
         if not self.lifecycle.start_draining():
             return
-        if not await self.lifecycle.wait_idle(self.config.drain_timeout):
-            log.warning("drain timeout: %d requests still in flight", self.lifecycle.in_flight)
+        idle = await self.lifecycle.wait_idle(self.config.drain_timeout)
+        if not idle:
+            # Agents free a drained master's slots against the other masters' counts once its key
+            # is gone, so its requests must have ended by then: cancelled, their engine connections
+            # close and the engines drop them (they would be cut off at exit a moment later anyway).
+            n = self.lifecycle.cancel_in_flight()
+            log.warning("drain timeout: cancelling %d requests still in flight", n)
+            idle = await self.lifecycle.wait_idle(CANCEL_WAIT_S)
         if self.registration is not None:
+            if idle:
+                # Nothing of this master runs any more: agents may free its slots at once, even
+                # those that never had an Ack saying it drains (DESIGN §4).
+                try:
+                    await self.registration.update(json.dumps({**self._key_doc, "drained": True}))
+                except EtcdError as exc:  # the agents then wait for their samples, as before
+                    log.warning("could not mark the key drained: %s", exc)
             # Revoking deletes masters/<id> at once: agents re-slice without waiting for a TTL.
             await self.registration.stop(revoke=True)
             self.registration = None

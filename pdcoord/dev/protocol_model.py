@@ -80,6 +80,10 @@ class SimConfig:
     # How long after an engine sample came back the agent sends the Reports whose Acks close its
     # bracket, and the least it accepts (nodeagent.handover.END_SEEN_S; NodeAgent._probe_loop).
     end_seen_s: float = END_SEEN_S
+    # Masters of this release end a drain that timed out by cancelling what still runs, and mark their
+    # key drained just before they revoke it (agents free their slots at once); False: as masters of
+    # earlier releases, which revoke with requests still running and say nothing in the key.
+    drained_keys: bool = True
     # Masters started at the beginning (default: all of ``masters``); the others start by churn.
     start_masters: tuple[str, ...] | None = None
     # Scheduled churn after the warm-up: (time, "join" | "drain" | "die", master), time in seconds
@@ -188,6 +192,7 @@ class ProtocolSim:
         self.agents = {n: SimAgent(n, c) for n, c in cfg.nodes.items()}
         self.masters = {m: SimMaster(m) for m in cfg.masters}
         self.etcd: set[str] = set()
+        self.drained: set[str] = set()  # masters whose key said "drained" as it went (drained_keys)
         self.measure_from = float("inf")  # set when the stable phase starts
         self._last_t = 0.0
         self.faults_on = True
@@ -403,12 +408,13 @@ class ProtocolSim:
     # -- etcd ---------------------------------------------------------------------------------
     def etcd_changed(self) -> None:
         view = set(self.etcd)
+        drained = frozenset(self.drained)
         # Masters count the live masters in etcd (their queue bound's floor) every couple of seconds.
         self.after(self.rng.uniform(0.0, 2.0), self.masters_counted)
         for a in self.agents.values():
             lo, hi = self.cfg.watch_delay_s
             a.watch_last = max(a.watch_last, self.now + self.rng.uniform(lo, hi))
-            self.at(a.watch_last, lambda a=a, v=view, i=a.inc: self.agent_watch(a, v, i))  # type: ignore[misc]
+            self.at(a.watch_last, lambda a=a, v=view, i=a.inc: self.agent_watch(a, v, i, drained))  # type: ignore[misc]
 
     def masters_counted(self) -> None:
         for m in self.masters.values():
@@ -435,6 +441,7 @@ class ProtocolSim:
         m.core = AdmissionCore(self.cfg.admission, clock=lambda: self.now)
         m.streams, m.leases = {}, {}
         m.decoding, m.decoding_on = set(), {}
+        self.drained.discard(mid)  # a new process: its key says nothing of the last one's drain
         # The master's own path: the registry hands admission only the nodes whose share changed.
         m.registry.subscribe_changes(lambda changes, m=m: self.master_shares(m, changes))  # type: ignore[misc]
         self.etcd.add(mid)
@@ -558,11 +565,23 @@ class ProtocolSim:
             self.master_leave(m)
         else:
             inc = m.inc
-            self.after(self.cfg.drain_timeout_s, lambda: self.master_leave(m) if m.inc == inc else None)
+            timeout = self.cfg.drain_timeout_s
+            self.after(timeout, lambda: self.master_leave(m, timed_out=True) if m.inc == inc else None)
 
-    def master_leave(self, m: SimMaster) -> None:
-        if not m.alive:
-            return
+    def master_leave(self, m: SimMaster, timed_out: bool = False) -> None:
+        if not m.alive or not m.in_etcd:
+            return  # not running, or left already (a lease that ended after a drain timeout)
+        if self.cfg.drained_keys and m.core is not None:
+            if timed_out:
+                # MasterServer.drain: what still runs is cancelled (the engines drop it) first.
+                for t in list(m.leases.values()):
+                    if t.id in m.decoding:
+                        m.decoding.discard(t.id)
+                        assert t.node is not None
+                        m.decoding_on[t.node] -= t.slots
+                    m.core.release(t)
+                m.leases = {}
+            self.drained.add(m.mid)  # the key says so just before the revocation: one watch step
         # Revoke the lease, then stop: streams close cleanly; leases past the drain timeout end.
         self.stats.left[m.mid] = self.now
         self.etcd.discard(m.mid)
@@ -695,9 +714,14 @@ class ProtocolSim:
             if link.up:
                 self.agent_send(a, link, "report")
 
-    def agent_watch(self, a: SimAgent, view: set[str], inc: int | None = None) -> None:
+    def agent_watch(
+        self, a: SimAgent, view: set[str], inc: int | None = None, drained: frozenset[str] = frozenset()
+    ) -> None:
         if not a.alive or a.slicer is None or (inc is not None and inc != a.inc):
             return  # events from before a restart: the new incarnation listed etcd afresh
+        # The put that marked a key drained comes before its deletion (NodeAgent._set_masters).
+        for mid in sorted(drained):
+            a.slicer.master_drained(mid)
         a.etcd_view = view
         for mid in list(a.links):
             if mid not in view:

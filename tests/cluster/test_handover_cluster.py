@@ -8,6 +8,7 @@ duration (default 20 s per mode).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -17,10 +18,13 @@ import threading
 import time
 from typing import Any
 
+import openai
 import pytest
 
 from pdcoord.dev.cluster import LocalCluster, scrape_metrics
 from pdcoord.dev.loadgen import HANG
+from pdcoord.etcd import EtcdClient
+from pdcoord.keys import Keys
 from tests.cluster.cluster_helpers import (
     Targets,
     churn_masters,
@@ -383,3 +387,70 @@ def test_a_stalled_client_s_lease_stops_counting_once_its_engine_finished(cluste
     assert raw.count(b"data: {") == tokens, raw.count(b"data: {")
     assert raw.endswith(b"0\r\n\r\n") and b"data: [DONE]" in raw[-64:], bytes(raw[-200:])  # chunked end
     c.wait_for(lambda: m1.admission()["active"] == 0, timeout=10)
+
+
+History = list[tuple[str, dict[str, Any]]]
+
+
+def _key_history(endpoint: str, key: str, since: int, timeout: float = 10.0) -> History:
+    """The puts and the delete of ``key`` after revision ``since``: (kind, its JSON), up to the delete."""
+
+    async def read() -> History:
+        out: History = []
+        async with EtcdClient([endpoint]) as client:
+            async with asyncio.timeout(timeout):
+                async for ev in client.watch_prefix(key, start_revision=since + 1):
+                    if ev.key != key:
+                        continue
+                    out.append((ev.kind, json.loads(ev.value) if ev.kind == "put" else {}))
+                    if ev.kind == "delete":
+                        return out
+        return out
+
+    return asyncio.run(read())
+
+
+def test_a_drain_that_times_out_cancels_its_requests_before_the_key_goes(cluster: LocalCluster) -> None:
+    """A master whose drain timed out (a request still streaming) cancels what still runs, so that
+    nothing of it runs by the time its key goes, and marks the key drained just before it revokes it:
+    the agents then free its slots at once, as for a master that drained with nothing left running."""
+    c = cluster
+    c.start_master("m1", model=MODEL, drain_timeout=1)
+    c.start_node("p1", "prefill", 4, model=MODEL)
+    c.start_node("d1", "decode", 4, model=MODEL)
+    c.wait_for(lambda: c.full_capacity_held(["m1"], {"p1": 4, "d1": 4}), timeout=30)
+    d1 = c.engines["d1"].url
+    cancelled = scrape_metrics(d1).get("pdsim_cancelled_total", 0.0)
+    key = Keys.for_cluster(c.cluster).master("m1")
+
+    async def revision() -> int:
+        async with EtcdClient([c.etcd]) as client:
+            return (await client.get_prefix(key))[1]
+
+    since = asyncio.run(revision())
+    outcome: list[BaseException | int] = []
+
+    def stream() -> None:
+        client = openai.OpenAI(base_url=c.masters["m1"].url + "/v1", api_key="-", max_retries=0, timeout=60)
+        n = 0
+        try:
+            for _ in client.completions.create(model=MODEL, prompt="long", max_tokens=20000, stream=True):
+                n += 1
+        except Exception as exc:  # the stream is cut: what a client sees of a drain that timed out
+            outcome.append(exc)
+        else:
+            outcome.append(n)
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    c.wait_for(lambda: scrape_metrics(d1).get("pdsim_running", 0.0) == 1, timeout=30)
+    assert c.masters["m1"].proc.terminate(timeout=30) == 0
+    reader.join(timeout=30)
+    assert not reader.is_alive() and outcome and not isinstance(outcome[0], int), outcome
+    history = _key_history(c.etcd, key, since)
+    assert [kind for kind, _ in history] == ["put", "delete"], history  # marked drained, then gone
+    assert history[0][1].get("drained") is True, history
+    c.wait_for(lambda: scrape_metrics(d1).get("pdsim_cancelled_total", 0.0) > cancelled, timeout=10)
+    c.wait_for(lambda: scrape_metrics(d1).get("pdsim_running", 1.0) == 0, timeout=10)
+    # The agent took it out for good: nothing of m1 stays reserved on d1.
+    c.wait_for(lambda: not c.agents["d1"].status()["handover"]["orphans"], timeout=10)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from nodeagent.handover import END_SEEN_S, STARTUP, Handover
 from nodeagent.slicing import (
     GONE_SAMPLE_DELAY_S,
+    PEER_DETECT_S,
     SharePolicy,
     Slicer,
     demand_shares,
@@ -499,6 +500,29 @@ def test_an_ack_to_a_report_sent_right_after_the_sample_does_not_close_the_brack
     assert s.snapshot()["orphans"] == {"b": 2}
 
 
+def test_orphans_cut_together_keep_covering_each_other_when_one_master_returns() -> None:
+    """b and c are cut off (3 slots each reserved); a sample bounds what both still run together, 3
+    (b runs 2, c 1), and the cut takes b's 3 first (name order). When c comes back and says it runs
+    1, its 3 reserved slots may be covering b's leases: they stay reserved under the pool's name
+    until a sample frees them, instead of leaving b's 2 leases covered by nothing."""
+    s = started(8, ["a", "b", "c"])
+    assert dict(s.shares) == {"a": 2, "b": 3, "c": 3}
+    for m, n in (("a", 2), ("b", 3), ("c", 3)):
+        s.on_ack(m, s.epoch, n, 0, 2.0, 10, kept=n, answers_sent_at=1.9)
+    s.stream_down("b", 2.0, 11)
+    s.stream_down("c", 2.0, 11)
+    s.tick(3.0, 12)
+    assert s.snapshot()["orphans"] == {"b": 3, "c": 3}
+    s.on_probe(5, 3.9, 3.95, 13)  # a 2, b 2, c 1
+    s.on_ack("a", s.epoch, 2, 0, 4.1, 14, kept=2, answers_sent_at=3.95 + END_SEEN_S)
+    assert s.snapshot()["orphans"] == {"c": 3}
+    s.stream_up("c", 4.2, 15)
+    s.on_ack("c", s.epoch, 1, 0, 4.3, 16, kept=0, answers_sent_at=4.25)
+    orphans = s.snapshot()["orphans"]
+    assert list(orphans.values()) == [3] and next(iter(orphans)).startswith("(pool "), orphans
+    assert s.share_for("a") + max(s.share_for("c"), 1) + 3 <= 8
+
+
 def test_acks_that_do_not_bracket_the_sample_free_nothing() -> None:
     """An Ack that answers a Report sent before the sample came back, or whose predecessor came in
     after the sample started, may count leases the engine did not run at it."""
@@ -525,6 +549,27 @@ def test_a_gone_master_s_slots_follow_the_acked_counts_without_waiting_for_a_bra
     assert not s.waits_for_bracket
     s.on_probe(4, 2.01 + GONE_SAMPLE_DELAY_S, 2.3, 13)
     assert dict(s.shares) == {"a": 8}
+
+
+def test_a_master_whose_key_said_drained_counts_as_gone_without_a_draining_ack() -> None:
+    """A master whose drain ended before any of its Acks said it drains (nothing had changed to
+    report) marks its key drained just before it revokes it: the agent sets what it left reserved
+    against the acked counts at once. Without the mark it waits for Acks around a sample, which under
+    a steady stream of short requests rarely account for every slot."""
+    for marked in (True, False):
+        s = started(8, ["a", "b"])
+        s.on_ack("a", s.epoch, 5, 3, 2.0, 10, kept=0)
+        s.on_ack("b", s.epoch, 1, 0, 2.1, 11, kept=0)
+        if marked:
+            s.master_drained("b")  # the put of its drained key, just before the deletion
+        s.set_masters(["a"], 3.0, 12)
+        s.stream_down("b", 3.0, 13)
+        # Drained: only its acked leases stay reserved; else its share, as for a cut-off master.
+        assert s.snapshot()["orphans"] == ({"b": 1} if marked else {"b": 4})
+        assert s.waits_for_bracket is not marked
+        s.on_ack("a", s.epoch, 6, 2, 4.0, 14, kept=0)  # a's leases turned over: it kept none
+        s.on_probe(6, 4.1 + PEER_DETECT_S, 4.2 + PEER_DETECT_S, 15)
+        assert s.snapshot()["orphans"] == ({} if marked else {"b": 4}), marked
 
 
 def test_a_master_that_drained_and_revoked_its_key_counts_as_gone() -> None:

@@ -60,7 +60,7 @@ def test_a_master_with_a_longer_keepalive_is_allowed_what_it_advertises() -> Non
     could have noticed the lost stream (``peer_detect_s``). A master with ``--keepalive 3`` notices a
     cut stream within 4 s and says so in etcd; agents that allow it that (plus slack) keep strict
     handover exact, agents that allow the default 1.75 s (an older release, which does not read it)
-    do not: 9 of seeds 0-299 overshoot (73, 107, 141, ...), none with the allowance. (At the default
+    do not: 12 of seeds 0-299 overshoot (7, 73, 153, ...), none with the allowance. (At the default
     detection of 1.65 s the model no longer finds a shorter allowance that overshoots since samples
     count only leases kept across them: none in seeds 0-199 at 1 s, 2 at 0.1 s; the earlier Acks
     overshot with 1 s in seed 62.)"""
@@ -73,38 +73,35 @@ def test_a_master_with_a_longer_keepalive_is_allowed_what_it_advertises() -> Non
         agent_detect_s=3.35 + 1.0,  # the agents ping such a master after 3.35 s (master_channel_options)
         peer_detect_s=4.0 + PEER_DETECT_SLACK_S,
     )
-    for seed in (73, 107, 0, 1, 2):
+    for seed in (7, 73, 0, 1, 2):
         assert not ProtocolSim(cfg, seed).run().violations, seed
-    for seed in (73, 107):
+    for seed in (7, 73):
         assert ProtocolSim(dataclasses.replace(cfg, peer_detect_s=PEER_DETECT_S), seed).run().violations, seed
+
+
+def churn_config(policy: str) -> SimConfig:
+    """The demand benchmark's scenario, small: a master joins, one drains, the busiest dies."""
+    return SimConfig(
+        nodes={"d1": 16, "d2": 8, "d3": 5},
+        masters=("m1", "m2", "m3", "mj"),
+        start_masters=("m1", "m2", "m3"),
+        policy=policy,
+        chaos_s=5.0,
+        settle_s=40.0,
+        fault_every_s=0.0,
+        quiet_s=0.0,
+        rates={"m1": 70.0, "m2": 20.0, "m3": 10.0, "mj": 20.0},
+        churn=((10.0, "join", "mj"), (20.0, "drain", "m2"), (30.0, "die", "m1")),
+        restart_left=False,
+    )
 
 
 @pytest.mark.parametrize("policy", ["static", "demand"])
 def test_scheduled_churn_under_skewed_load_keeps_the_invariant_and_converges(policy: str) -> None:
-    """The demand benchmark's scenario, small: a master joins, one drains, the busiest dies.
-
-    Not every seed converges within 15 s: a master whose drain ends (its last lease released, its key
-    revoked) before any of its Acks told an agent it drains leaves its slots reserved as for a master
-    that may still be alive, and under this steady stream of short leases a bracketed sample rarely
-    sees its live masters keep enough leases to free the last of them (Handover, "How a sample is
-    weighed"): 10 of the 40 runs of seeds 0-19 with either policy stay unconverged (static 2, 15-18;
-    demand 0, 2, 13, 15, 19), 4 with the bracket closed at once (end_seen_s=0), and 5 when the model
-    ended a lease in the engine and the master at the same instant, with no END_SEEN_S."""
-    for seed in (1, 3, 4):
-        cfg = SimConfig(
-            nodes={"d1": 16, "d2": 8, "d3": 5},
-            masters=("m1", "m2", "m3", "mj"),
-            start_masters=("m1", "m2", "m3"),
-            policy=policy,
-            chaos_s=5.0,
-            settle_s=40.0,
-            fault_every_s=0.0,
-            quiet_s=0.0,
-            rates={"m1": 70.0, "m2": 20.0, "m3": 10.0, "mj": 20.0},
-            churn=((10.0, "join", "mj"), (20.0, "drain", "m2"), (30.0, "die", "m1")),
-            restart_left=False,
-        )
-        sim = ProtocolSim(cfg, seed)
+    """A master joins, one drains, the busiest dies: strict handover holds and every node reaches
+    its targets within 15 s of each event (all 40 runs of seeds 0-19 with either policy do)."""
+    for seed in range(3):
+        sim = ProtocolSim(churn_config(policy), seed)
         stats = sim.run()
         assert not stats.violations, f"seed {seed}: {stats.violations[:5]}"
         assert [(k, m) for _, k, m, _ in stats.convergence] == [
@@ -116,6 +113,20 @@ def test_scheduled_churn_under_skewed_load_keeps_the_invariant_and_converges(pol
         # The dead master's traffic went to the survivors; the drained one took none after it left.
         assert not sim.masters["m1"].alive and not sim.masters["m2"].alive
         assert stats.granted.get("mj", 0) > 0
+
+
+def test_known_gap_a_master_of_an_earlier_release_that_drained_unannounced_holds_its_slots() -> None:
+    """A master whose drain ends before any of its Acks told an agent it drains (nothing had changed
+    to report) and that revokes its key without marking it drained (an earlier release) leaves its
+    slots reserved as for a master that may still be alive; under this steady stream of short leases
+    the bracketed samples rarely free the last of them: 10 of the 40 runs of seeds 0-19 did not
+    converge within 15 s of the drain (static 2, 15-18; demand 0, 2, 13, 15, 19). This release marks
+    its key drained just before the revocation, and none of the 40 stays unconverged."""
+    old = dataclasses.replace(churn_config("static"), drained_keys=False)
+    stats = ProtocolSim(old, 2).run()
+    assert [c for _, k, _, c in stats.convergence if k == "drain"] == [None]
+    stats = ProtocolSim(dataclasses.replace(old, drained_keys=True), 2).run()
+    assert all(c is not None and c < 15.0 for *_, c in stats.convergence), stats.convergence
 
 
 LONG_SEEDS = int(os.environ.get("PDCOORD_SIM_LONG_SEEDS", "20"))
@@ -137,14 +148,16 @@ def test_strict_handover_holds_with_decode_length_leases(policy: str, hold_s: fl
 
 
 def test_known_gap_masters_of_an_earlier_release_leave_a_stale_ack_unbracketed() -> None:
-    """Masters of the earlier release send no kept_slots: their acked counts stand in, as before, and
+    """Masters of an earlier release send no kept_slots: their acked counts stand in, as before, and
     an Ack older than one of their lease ends can still free a cut-off master's running slots
-    (``nodeagent/handover.py``, "Known gap"). The same scenario with this release's masters holds."""
+    (``nodeagent/handover.py``, "Known gap"): 8 of seeds 60-199 overshoot. The same scenario with
+    this release's masters holds in all of them."""
     old = dataclasses.replace(
-        decode_length_config("static", 10.0), settle_s=15.0, quiet_s=5.0, kept_acks=False
+        decode_length_config("static", 10.0), settle_s=15.0, quiet_s=5.0, kept_acks=False, drained_keys=False
     )
-    assert ProtocolSim(old, 13).run().violations
-    assert not ProtocolSim(dataclasses.replace(old, kept_acks=True), 13).run().violations
+    assert ProtocolSim(old, 71).run().violations
+    new = dataclasses.replace(old, kept_acks=True, drained_keys=True)
+    assert not ProtocolSim(new, 71).run().violations
 
 
 # Leases whose client falls behind until the relay pauses, and how long after the decode such a client
@@ -163,12 +176,14 @@ def test_strict_handover_holds_with_slow_clients(policy: str, hold_s: float) -> 
     0-99 no bracketed sample counted more of a live master's leases than the engine ran at it;
     masters of the earlier release did so in 35 to 64 of them: see the next test.)"""
     cfg = dataclasses.replace(decode_length_config(policy, hold_s), **SLOW_CLIENTS)
+    slow = 0
     for seed in range(LONG_SEEDS):
         sim = ProtocolSim(cfg, seed)
         stats = sim.run()
         assert not stats.violations, f"seed {seed}: {stats.violations[:3]}; faults {stats.faults}"
         assert not sim.converged(), f"seed {seed}: not converged: {sim.converged()}"
-        assert stats.slow_leases > 0
+        slow += stats.slow_leases
+    assert slow > LONG_SEEDS  # (a run with little traffic may have none)
 
 
 def test_known_gap_masters_of_an_earlier_release_count_a_relayed_lease_as_running() -> None:
@@ -176,9 +191,44 @@ def test_known_gap_masters_of_an_earlier_release_count_a_relayed_lease_as_runnin
     it in kept_slots until then: a sample after its decode ended sees it no longer running, sets the
     master's kept count against it and frees slots a cut-off master still uses. In seeds 0-99 of
     this scenario 3 overshoot (17, 49, 58; 17 and 58 by this), and bracketed samples counted a lease
-    the engine had finished in 35 of them; with this release's masters none did, and the one that
-    overshoots (49) does so by another cause (two orphans cut together, one of them released alone
-    when its master came back). Here seed 17: a master kept 3 leases, the engine ran 2 of them."""
+    the engine had finished in 35 of them; with this release's masters none did (49 overshot by
+    another cause, fixed since: see the next test). Here seed 17: a master kept 3 leases, the engine
+    ran 2 of them."""
     old = dataclasses.replace(decode_length_config("static", 10.0), lease_end="relay", **SLOW_CLIENTS)
     assert ProtocolSim(old, 17).run().violations
     assert not ProtocolSim(dataclasses.replace(old, lease_end="seen"), 17).run().violations
+
+
+def test_known_gap_a_drain_timeout_of_an_earlier_release_frees_slots_its_requests_use() -> None:
+    """A master of an earlier release whose drain timed out revoked its key with requests still
+    running, and agents that had an Ack saying it drains with nothing queued set what it left
+    reserved against the acked counts, as for a master whose requests all ended. This release
+    cancels them first and marks the key drained once nothing runs. The window is a fraction of a
+    second; with the bracket closed at once (end_seen_s=0) the model finds it in seed 80 of 100
+    (decode-length leases of 3 s), and not with this release's masters."""
+    old = dataclasses.replace(decode_length_config("static", 3.0), end_seen_s=0.0, drained_keys=False)
+    assert ProtocolSim(old, 80).run().violations
+    assert not ProtocolSim(dataclasses.replace(old, drained_keys=True), 80).run().violations
+
+
+@pytest.mark.parametrize(
+    ("policy", "hold_s", "extra", "seed"),
+    [
+        ("static", 10.0, SLOW_CLIENTS, 49),
+        ("demand", 10.0, {"end_seen_s": 0.0}, 5),
+        ("static", 3.0, {"end_seen_s": 0.0}, 58),
+    ],
+)
+def test_orphans_cut_together_stay_reserved_together(
+    policy: str, hold_s: float, extra: dict[str, float], seed: int
+) -> None:
+    """A sample that cuts several orphans bounds what their masters run together, and the cut goes
+    in name order, so what is left of one may cover another's leases. These seeds overshot when one
+    of those masters came back (or said what it still ran) and its orphan went with it alone, taking
+    slots that covered the other's leases (the agent's startup reservation and m1 in seed 49). Its
+    slots now stay reserved under the pool's name (``Handover._unpool``) until a sample frees them."""
+    cfg = dataclasses.replace(decode_length_config(policy, hold_s), **extra)
+    sim = ProtocolSim(cfg, seed)
+    stats = sim.run()
+    assert not stats.violations, stats.violations[:3]
+    assert not sim.converged(), sim.converged()

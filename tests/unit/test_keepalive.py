@@ -109,3 +109,33 @@ def test_the_master_s_keepalive_flags() -> None:
     assert opts["grpc.http2.ping_timeout_ms"] == 500  # what gRPC enforces the answer time with
     with pytest.raises(ConfigError, match="--keepalive"):
         MasterConfig("m1", etcd, keepalive=0.01)
+
+
+async def test_a_master_key_marked_drained_takes_the_master_out_for_good() -> None:
+    """A master writes ``"drained": true`` into its key just before it revokes it; the agent reads
+    it as it reads an Ack saying the master drains with nothing queued."""
+    agent = offline_agent(4)
+    prefix = agent.keys.masters_prefix
+    doc = {"grpc": "127.0.0.1:1", "keepalive_s": 0.65, "detect_s": 1.65}
+    assert agent._parse_master(prefix + "m1", json.dumps(doc).encode())[1] == MasterEntry(
+        "127.0.0.1:1", 0.65, 1.65, drained=False
+    )
+    for flag in ("yes", 1, None):  # only a JSON true counts
+        entry = agent._parse_master(prefix + "m1", json.dumps({**doc, "drained": flag}).encode())[1]
+        assert entry is not None and not entry.drained, flag
+    mid, entry = agent._parse_master(prefix + "m1", json.dumps({**doc, "drained": True}).encode())
+    assert entry is not None and entry.drained
+    try:
+        live = agent._parse_master(prefix + "m1", json.dumps(doc).encode())[1]
+        assert live is not None
+        agent._set_masters({mid: live})
+        agent.slicer.stream_up("m1", 1.0, 1)
+        agent._set_masters({mid: entry})  # the put that marks it drained
+        assert agent.slicer._left_for_good("m1") is False  # still in etcd
+        agent._set_masters({})  # its stream still up: the revocation came first
+        assert agent.slicer._left_for_good("m1")
+    finally:
+        for link in agent.links.values():
+            if link.task is not None:
+                link.task.cancel()
+        await asyncio.sleep(0)
