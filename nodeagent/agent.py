@@ -21,7 +21,7 @@ import grpc
 import grpc.aio
 from aiohttp import web
 
-from nodeagent.handover import END_SEEN_S
+from nodeagent.handover import END_SEEN_S, START_SEEN_S
 from nodeagent.probe import EngineHealth, LoadProbe, check_health
 from nodeagent.reachability import GONE_PROBES_S, host_port, refuses_connections
 from nodeagent.slicing import BRACKET_ACK_WAIT_S, SharePolicy, Slicer
@@ -665,14 +665,17 @@ class NodeAgent:
                 # masters only between an Ack just before it and one just after (Handover.reconsider).
                 asked = time.monotonic()
                 await self._answers(self._poll_connected(), asked, BRACKET_ACK_WAIT_S)
+                # What the masters sent before their Acks reaches the engine's queues meanwhile.
+                await asyncio.sleep(START_SEEN_S)
             taken_at = time.monotonic()
             sample = await probe.sample()
             changed = (sample.running, sample.waiting) != (self.load.running, self.load.waiting)
             self.load = sample
-            # The engine's own count is what tells the handover that a departed master's leases ended.
-            if self.slicer.on_probe(
-                sample.running if sample.probe_ok else None, taken_at, time.monotonic(), time.time_ns()
-            ):
+            # The engine's own count is what tells the handover that a departed master's leases ended:
+            # every request it holds, those still waiting for their KV included (the masters count a
+            # lease from the moment its decode request went out).
+            held = sample.running + sample.waiting if sample.probe_ok else None
+            if self.slicer.on_probe(held, taken_at, time.monotonic(), time.time_ns()):
                 self._changed()
             if bracket and sample.probe_ok and self.slicer.waits_for_bracket:
                 # Their answers close the bracket, once the masters could have read the ends of the

@@ -40,13 +40,17 @@ client has it all), and a lease whose answer it stopped reading for a slow clien
 moment between the engine's count dropping and its last bytes reaching the master; the Report that
 closes a bracket goes ``END_SEEN_S`` after the sample for that.
 
+A lease's start. A sample counts every request the engine holds, those still waiting for their KV
+included (running + waiting: SGLang's decode server keeps them in its prealloc and transfer queues),
+and a master counts a lease in ``kept_slots`` only from the moment its decode request went out (with
+SGLang's protocol right after the grant, with vLLM's after the prefill: ``AdmissionCore.decode_sent``).
+A sample is taken ``START_SEEN_S`` after the Acks that open its bracket came in, so that what a master
+sent before its Ack is in the engine's queues by then.
+
 Known gap. Masters of an earlier release send no ``kept_slots``; their acked counts stand in as
-before, so with them the stale-Ack case above remains (pinned by the ``known_gap`` tests), and they
-hold a lease until a slow client has its answer. And a lease the decode engine does not count yet (in
-its prefill under the vLLM protocol; under SGLang's waiting for its KV outside the running count) but
-kept across both Acks is counted as running: the bound is exact only once the master counts just the
-leases whose decode has started. ``kept_slots`` subtracts every grant made between the two Acks, which
-makes such an early release less likely but does not rule it out.
+before, so with them the stale-Ack case above remains (pinned by the ``known_gap`` tests); they hold a
+lease until a slow client has its answer, and count it from its grant, while it may still be in its
+prefill and unknown to the decode engine (under vLLM's protocol).
 """
 
 from __future__ import annotations
@@ -60,6 +64,10 @@ STARTUP = "(startup)"
 # learns that a decode ended when the engine's last bytes reach it, a moment after the engine
 # stopped counting it: an Ack built sooner could still count that lease as running at the sample.
 END_SEEN_S = 0.05
+# How much later than the Ack that opens a bracket its engine sample is taken: a decode request the
+# master sent before that Ack has then reached the engine's queues (a delivery, and the engine's
+# scheduler loop taking it in), so the sample counts every lease the Ack's kept_slots may count.
+START_SEEN_S = 0.1
 # Grants kept per master while unacknowledged; older ones are merged (keeping the larger share).
 _MAX_ISSUED = 16
 
@@ -299,13 +307,14 @@ class Handover:
     @staticmethod
     def _surely_running(h: Holder, s: Sample, at_sample: bool) -> int:
         """Slots this live master surely ran at sample ``s``. One that sends kept_slots: its kept
-        leases once its last two Acks bracket the sample (the one before came in before the sample
-        started, the last answers a Report sent END_SEEN_S after it came back), else nothing. One of an
+        leases once its last two Acks bracket the sample (the one before came in START_SEEN_S before
+        the sample started, the last answers a Report sent END_SEEN_S after it came back), else
+        nothing. One of an
         earlier release: its acked active slots, when the sample is new (as before; see the known
         gap), and nothing when weighing an older sample again."""
         if h.kept is None:
             return h.active if at_sample else 0
-        if h.prev_acked_at < s.taken_at and h.answers_sent_at >= s.done_at + END_SEEN_S:
+        if h.prev_acked_at + START_SEEN_S <= s.taken_at and h.answers_sent_at >= s.done_at + END_SEEN_S:
             return h.kept
         return 0
 

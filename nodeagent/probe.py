@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 _NAMES = {
     "sglang:num_running_reqs": "running",
     "sglang:num_queue_reqs": "waiting",
+    # a decode server's requests waiting for their KV (PD): held by the engine, not yet running
+    "sglang:num_decode_prealloc_queue_reqs": "waiting",
+    "sglang:num_decode_transfer_queue_reqs": "waiting",
     "sglang:token_usage": "kv_usage",
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
@@ -32,8 +35,9 @@ def parse_metrics(text: str) -> EngineLoad:
     """Sum each known metric over its label sets (one engine may expose several series).
 
     An engine that exports both naming schemes (pdsim does, for either kind of peer router) would be
-    counted twice if the families were added up: each field takes the first family that has it,
-    SGLang's before vLLM's. Strict handover compares this count with the masters' leases.
+    counted twice if the schemes were added up: each field comes from the first scheme that has it,
+    SGLang's before vLLM's. Strict handover compares running + waiting (every request the engine
+    holds, those waiting for their KV included) with the masters' leases.
     """
     per_metric: dict[str, float] = {}
     seen = False
@@ -59,10 +63,14 @@ def parse_metrics(text: str) -> EngineLoad:
             per_metric[name] = max(per_metric.get(name, 0.0), value)
         else:
             per_metric[name] = per_metric.get(name, 0.0) + value
+    # Each field from one naming scheme, SGLang's first: the sum of that scheme's families for it
+    # (SGLang's waiting is three queues), or for the KV usage the largest.
     sums: dict[str, float] = {}
-    for name, field in _NAMES.items():  # dict order: SGLang names first
-        if name in per_metric and field not in sums:
-            sums[field] = per_metric[name]
+    for scheme in ("sglang:", "vllm:"):
+        for field in ("running", "waiting", "kv_usage"):
+            values = [v for n, v in per_metric.items() if n.startswith(scheme) and _NAMES[n] == field]
+            if values and field not in sums:
+                sums[field] = max(values) if field == "kv_usage" else sum(values)
     return EngineLoad(
         running=int(sums.get("running", 0)),
         waiting=int(sums.get("waiting", 0)),

@@ -179,6 +179,8 @@ class Ticket:
         "reason",
         "released",
         "request_class",
+        "sent",
+        "sent_gen",
         "session_id",
         "slots",
         "state",
@@ -200,6 +202,10 @@ class Ticket:
         self.granted_at: float | None = None
         self.ended_at: float | None = None
         self.released = False
+        # Its decode request went out to the engine (AdmissionCore.decode_sent), between the node's
+        # Acks number sent_gen and sent_gen + 1 (AdmissionCore.kept_since).
+        self.sent = False
+        self.sent_gen = 0
         # The master no longer sees when this lease's decode ends (see AdmissionCore.end_unseen).
         self.unseen = False
         self.avoid = _NO_AVOID  # nodes this ticket is never placed on
@@ -480,6 +486,14 @@ class AdmissionCore:
         # Slots of running leases whose decode end this master may not see in time (end_unseen):
         # not counted in an Ack's kept_slots.
         self._unseen_on: dict[str, int] = {}
+        # Slots whose decode request went out, per node (only grows), and of those the ones still
+        # held and seen: an Ack's kept_slots counts from these (``in_decode_on``, ``sent_on``).
+        self._sent_on: dict[str, int] = {}
+        self._in_decode: dict[str, int] = {}
+        # Per node: Acks built so far (kept_since), and the slots in decode at the last of them that
+        # still are: an Ack's kept_slots, exact whatever turned over in between.
+        self._ack_gen: dict[str, int] = {}
+        self._old: dict[str, int] = {}
         self._node_ver: dict[str, int] = {}
         self._ver = 0
         self._free_heap: list[tuple[int, str, int]] = []  # (-free, node, ver)
@@ -554,6 +568,43 @@ class AdmissionCore:
         running leases but those marked with :meth:`end_unseen` (the base of an Ack's kept_slots)."""
         return self._active.get(node, 0) - self._unseen_on.get(node, 0)
 
+    def sent_on(self, node: str) -> int:
+        """Slots whose decode request went out to ``node`` since this core started (only grows)."""
+        return self._sent_on.get(node, 0)
+
+    def in_decode_on(self, node: str) -> int:
+        """Slots of the leases on ``node`` that the engine surely holds and whose end the master sees:
+        their decode request went out (:meth:`decode_sent`), they are not released, and not marked
+        :meth:`end_unseen`. An Ack's kept_slots counts from these."""
+        return self._in_decode.get(node, 0)
+
+    def decode_sent(self, t: Ticket) -> None:
+        """The lease's decode request went out to its engine (with SGLang's protocol right after the
+        grant, with vLLM's after the prefill): from now on the engine holds it. Idempotent."""
+        if t.state is not _GRANTED or t.released or t.sent or t.node is None:
+            return
+        t.sent = True
+        t.sent_gen = self._ack_gen.get(t.node, 0)
+        self._sent_on[t.node] = self._sent_on.get(t.node, 0) + t.slots
+        if not t.unseen:
+            self._in_decode[t.node] = self._in_decode.get(t.node, 0) + t.slots
+
+    def kept_since(self, node: str, gen: int | None) -> tuple[int, int]:
+        """For an Ack on ``node``: the slots in decode there at the previous Ack (number ``gen``) that
+        still are, and this Ack's number. 0 when ``gen`` is None (a stream's first Ack) or is not the
+        latest (another stream's Ack came in between)."""
+        latest = self._ack_gen.get(node, 0)
+        kept = self._old.get(node, 0) if gen is not None and gen == latest else 0
+        self._ack_gen[node] = latest + 1
+        self._old[node] = self._in_decode.get(node, 0)
+        return kept, latest + 1
+
+    def _leave_decode(self, t: Ticket, node: str) -> None:
+        """A sent lease stops counting as in decode (released, or its end unseen)."""
+        self._in_decode[node] -= t.slots
+        if t.sent_gen < self._ack_gen.get(node, 0):
+            self._old[node] -= t.slots  # it was in decode at the last Ack
+
     def end_unseen(self, t: Ticket) -> None:
         """The master stopped reading this lease's answer (a slow client): its decode may end in the
         engine before the master can tell, so from now on it no longer counts as surely running
@@ -562,6 +613,8 @@ class AdmissionCore:
             return
         t.unseen = True
         self._unseen_on[t.node] = self._unseen_on.get(t.node, 0) + t.slots
+        if t.sent:
+            self._leave_decode(t, t.node)
 
     def wanted_slots(self) -> int:
         """Queued demand in slots (what the master reports to agents as ``wanted_slots``)."""
@@ -877,6 +930,8 @@ class AdmissionCore:
             self._active[node] -= t.slots
             if t.unseen:
                 self._unseen_on[node] -= t.slots
+            elif t.sent:
+                self._leave_decode(t, node)
             self._touch_node(node)
         self._active_total -= t.slots
         if t.session_id is not None:

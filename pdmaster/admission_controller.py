@@ -125,6 +125,10 @@ class Lease:
     def release(self) -> None:
         self._controller._release(self.ticket)
 
+    def decode_sent(self) -> None:
+        """Its decode request went out to the engine (``AdmissionCore.decode_sent``)."""
+        self._controller.core.decode_sent(self.ticket)
+
     def end_unseen(self) -> None:
         """The master stopped reading this lease's answer for a slow client: the engine may finish
         it unseen, so it no longer counts in kept_slots (``AdmissionCore.end_unseen``)."""
@@ -288,12 +292,6 @@ class AdmissionController:
 
     def active_on(self, node: str) -> int:
         return self.core.active_on(node)
-
-    def granted_on(self, node: str) -> int:
-        return self.core.granted_on(node)
-
-    def sure_on(self, node: str) -> int:
-        return self.core.sure_on(node)
 
     def wanted_slots(self) -> int:
         return self.core.wanted_slots()

@@ -15,7 +15,7 @@ from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
 from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import MasterMetrics
 from pdmaster.ratelimit import TokenBucket
-from pdmaster.registry import DECODE, PREFILL, NodeRegistry, ProtocolError, kept_slots
+from pdmaster.registry import DECODE, PREFILL, NodeRegistry, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +25,10 @@ _ROLES = {pb.PREFILL: PREFILL, pb.DECODE: DECODE}
 SlotsProvider = Callable[[str], tuple[int, int]]
 # (node_id, down): the agent's verdict on its engine flipped.
 EngineListener = Callable[[str, bool], None]
-# Slots this master has ever granted on a node (only grows): for the Ack's kept_slots.
-GrantedProvider = Callable[[str], int]
-# Slots of a node's running leases whose decode end this master sees as it happens (all but those it
-# stopped reading for a slow client): what the Ack's kept_slots counts from.
-SureProvider = Callable[[str], int]
+# For an Ack on a node: the slots of this master's leases the engine held at the stream's previous
+# Ack (their decode request had gone out) and still holds, with their end in sight; and the mark for
+# the next Ack (AdmissionCore.kept_since).
+KeptProvider = Callable[[str, int | None], tuple[int, int]]
 
 
 def _no_slots(_node_id: str) -> tuple[int, int]:
@@ -47,12 +46,10 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         slots: SlotsProvider = _no_slots,
         max_reports_per_s: float = 50.0,
         on_engine: EngineListener | None = None,
-        granted: GrantedProvider | None = None,
-        sure: SureProvider | None = None,
+        kept: KeptProvider | None = None,
     ) -> None:
         self.on_engine = on_engine
-        self.granted = granted  # None: Acks without kept_slots (as masters of earlier releases)
-        self.sure = sure  # None: every running lease counts
+        self.kept = kept  # None: Acks without kept_slots (as masters of earlier releases)
         self.master_id = master_id
         self.registry = registry
         self.metrics = metrics
@@ -63,7 +60,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
     def _ack(
         self, node_id: str, epoch: int, seq: int, mark: int | None
     ) -> tuple[pb.MasterMessage, int | None]:
-        """The Ack, and the stream's mark for the next one. ``mark``: the node's slots-granted count
+        """The Ack, and the stream's mark for the next one. ``mark``: what ``kept`` returned as the mark
         at this stream's previous Ack (None before the first)."""
         active, wanted = self.slots(node_id)
         ack = pb.Ack(
@@ -74,11 +71,9 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
             seq=seq,
             draining=self.lifecycle.draining,
         )
-        if self.granted is not None:
-            granted = self.granted(node_id)
-            sure = active if self.sure is None else min(active, self.sure(node_id))
-            ack.kept_slots = kept_slots(sure, granted, mark)
-            mark = granted
+        if self.kept is not None:
+            kept, mark = self.kept(node_id, mark)
+            ack.kept_slots = min(kept, active)
         return pb.MasterMessage(ack=ack), mark
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: str, message: str) -> None:

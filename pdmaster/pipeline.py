@@ -234,6 +234,7 @@ class RequestPipeline:
                 ctx.decode,
                 ctx.engine_headers(ctx.engine_request_id),
                 ctx.raw,
+                ctx.lease.decode_sent if ctx.lease is not None else None,
             )
         except EngineError as exc:
             log.info(
@@ -285,10 +286,18 @@ class RequestPipeline:
         assert self._dispatch is not None and ctx.prefill is not None and ctx.decode is not None
         prefill, decode, dispatch = ctx.prefill, ctx.decode, self._dispatch
         self.router.routed(prefill, ctx.hashes)
+        unsent = len(parts)
+
+        def sent() -> None:
+            # The lease's slots are all in D once every part's request went out.
+            nonlocal unsent
+            unsent -= 1
+            if unsent == 0 and ctx.lease is not None:
+                ctx.lease.decode_sent()
 
         async def one(part: Part) -> EngineResponse:
             return await dispatch.open(
-                ctx.endpoint, part.body, prefill, decode, ctx.engine_headers(self.new_id())
+                ctx.endpoint, part.body, prefill, decode, ctx.engine_headers(self.new_id()), None, sent
             )
 
         try:

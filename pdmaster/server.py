@@ -119,8 +119,7 @@ class MasterServer:
             slots=self._slots,
             max_reports_per_s=cfg.max_reports_per_s,
             on_engine=self._on_agent_engine,
-            granted=lambda node: self.admission.granted_on(node),
-            sure=lambda node: self.admission.sure_on(node),
+            kept=lambda node, mark: self.admission.core.kept_since(node, mark),
         )
         self.breakers = EngineBreakers(cfg.breaker, on_change=self._on_breaker)
         self.request_metrics = RequestMetrics(self.metrics_registry)

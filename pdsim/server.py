@@ -107,15 +107,21 @@ class _Collector(Collector):
         yield gauge(
             "sglang:num_queue_reqs", "Sequences waiting for a slot inside the engine.", pool.waiting_slots
         )
+        if e.cfg.role == "decode":
+            # As SGLang's decode server: requests waiting for their KV are in its transfer queue.
+            yield gauge("sglang:num_decode_prealloc_queue_reqs", "Requests before KV preallocation.", 0)
+            transfer = "sglang:num_decode_transfer_queue_reqs"
+            yield gauge(transfer, "Requests waiting for their KV.", e.kv_waiting)
         yield gauge("sglang:token_usage", "Fraction of the KV token pool in use.", usage)
         yield gauge("vllm:num_requests_running", "Running sequences (slots in use).", pool.running)
-        yield gauge("vllm:num_requests_waiting", "Sequences waiting for a slot.", pool.waiting_slots)
+        # vLLM keeps a request waiting for its remote KV in its waiting queue.
+        yield gauge("vllm:num_requests_waiting", "Sequences waiting.", pool.waiting_slots + e.kv_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of the KV cache in use (0-1).", usage)
         yield gauge("pdsim_running", "Slots in use.", pool.running, False)
         yield gauge("pdsim_waiting_requests", "Requests waiting for slots.", pool.waiting_requests, False)
         yield gauge("pdsim_max_running", "Peak slots in use since start.", pool.max_running, False)
         yield gauge("pdsim_capacity", "running_max_req_size.", pool.capacity, False)
-        yield gauge("pdsim_kv_waiting", "Decode requests waiting for their KV transfer.", e.kv_waiting, False)
+        yield gauge("pdsim_kv_waiting", "Decode slots waiting for their KV transfer.", e.kv_waiting, False)
         yield gauge("pdsim_kv_rooms", "KV transfer rooms held by the bootstrap listener.", len(e.kv), False)
         yield gauge("pdsim_hung_requests", "Requests held open by a hang fault.", e.hung, False)
         c = CounterMetricFamily(
@@ -134,7 +140,7 @@ class Engine:
         self.cache = PrefixCache(cfg.cache_blocks, cfg.cache_block_tokens)
         self.kv = KVStore(cfg.kv_ttl_s)
         self.kv_tokens = 0
-        self.kv_waiting = 0  # decode requests waiting for their KV transfer
+        self.kv_waiting = 0  # decode slots waiting for their KV transfer
         self.bootstrap_port = 0  # set once the bootstrap listener is bound
         self._prefill_sem = asyncio.Semaphore(cfg.prefill_parallel)
         self._client: ClientSession | None = None
@@ -417,11 +423,13 @@ class Engine:
             request, req, rid, prompt_tokens, cached_tokens, total, extra, faults, per_prompt=per_prompt
         )
 
-    async def _pull_kv(self, host: str, port: int, key: str, timeout_s: float) -> None:
+    async def _pull_kv(self, host: str, port: int, key: str, timeout_s: float, slots: int = 1) -> None:
+        """Wait for a KV transfer; meanwhile its ``slots`` count as waiting (SGLang's transfer queue,
+        vLLM's requests waiting for remote KVs)."""
         assert self._client is not None
         hostpart = f"[{host}]" if ":" in host else host
         url = f"http://{hostpart}:{port}/kv/{key}"
-        self.kv_waiting += 1
+        self.kv_waiting += slots
         try:
             async with self._client.get(
                 url, params={"timeout": f"{timeout_s:.3f}"}, timeout=ClientTimeout(total=timeout_s + 5.0)
@@ -436,7 +444,7 @@ class Engine:
         except Exception as exc:  # connection refused, timeout, bad payload: all a failed transfer
             raise KVTransferError(f"KV transfer {key} from {host}:{port} failed: {exc!r}") from exc
         finally:
-            self.kv_waiting -= 1
+            self.kv_waiting -= slots
         self.kv_transfers_total.inc()
 
     async def _decode(
@@ -448,8 +456,11 @@ class Engine:
                 assert req.bootstrap_host is not None and req.bootstrap_port is not None
                 host, bport = req.bootstrap_host, req.bootstrap_port
                 # One transfer per room; with a room per sample each sample's KV arrives separately.
+                per_room = max(1, req.choices // len(req.bootstrap_rooms))
                 pulls = [
-                    asyncio.ensure_future(self._pull_kv(host, bport, str(room), self.cfg.kv_wait_timeout_s))
+                    asyncio.ensure_future(
+                        self._pull_kv(host, bport, str(room), self.cfg.kv_wait_timeout_s, per_room)
+                    )
                     for room in req.bootstrap_rooms
                 ]
                 try:
@@ -474,7 +485,7 @@ class Engine:
                         param="kv_transfer_params",
                     )
                 # The prefill finished before the router got its response: the room is done or gone.
-                await self._pull_kv(host_v, port_v, key, min(0.2, self.cfg.kv_wait_timeout_s))
+                await self._pull_kv(host_v, port_v, key, min(0.2, self.cfg.kv_wait_timeout_s), req.choices)
         except BadRequest as exc:
             return self.error(400, exc.message, code=exc.code, param=exc.param)
         except KVTransferError as exc:

@@ -179,8 +179,10 @@ class Dispatch:
         decode: EngineNode,
         headers: Mapping[str, str],
         raw: bytes | None = None,
+        on_decode_sent: Callable[[], None] | None = None,
     ) -> EngineResponse:
-        """``raw``: the client's JSON text of ``body``, reused (not re-encoded) when possible."""
+        """``raw``: the client's JSON text of ``body``, reused (not re-encoded) when possible;
+        ``on_decode_sent``: called once D's request went out (from then on D holds it)."""
         raise NotImplementedError
 
 
@@ -196,6 +198,7 @@ class SGLangDispatch(Dispatch):
         decode: EngineNode,
         headers: Mapping[str, str],
         raw: bytes | None = None,
+        on_decode_sent: Callable[[], None] | None = None,
     ) -> EngineResponse:
         port = prefill.bootstrap_port
         if port is None:
@@ -210,6 +213,8 @@ class SGLangDispatch(Dispatch):
         except BaseException:
             p.abort()
             raise
+        if on_decode_sent is not None:
+            on_decode_sent()
         who = f"prefill {prefill.node_id}"
 
         def prefill_done(ex: Exchange) -> None:
@@ -249,6 +254,7 @@ class VLLMDispatch(Dispatch):
         decode: EngineNode,
         headers: Mapping[str, str],
         raw: bytes | None = None,
+        on_decode_sent: Callable[[], None] | None = None,
     ) -> EngineResponse:
         p_body = dict(body)
         p_body["stream"] = False
@@ -284,6 +290,8 @@ class VLLMDispatch(Dispatch):
         d_body = dict(body)
         d_body["kv_transfer_params"] = params
         d = await _sent(self.pool, decode, path, json.dumps(d_body).encode(), headers)
+        if on_decode_sent is not None:
+            on_decode_sent()
         try:
             await _answer(d, f"decode {decode.node_id}", decode.node_id)
         except BaseException:

@@ -278,17 +278,22 @@ def test_demand_churn_three_masters(cluster: LocalCluster, load_guard: Loads) ->
         assert peaks[node] <= cap, f"{node}: masters could use {peaks[node]} > {cap} slots"
 
 
-@pytest.mark.parametrize("decode_ms", [2.0, 50.0], ids=["short-decodes", "long-decodes"])
+@pytest.mark.parametrize(
+    ("decode_ms", "orphan_timeout"), [(2.0, 20.0), (50.0, 300.0)], ids=["short-decodes", "long-decodes"]
+)
 def test_stopped_master_under_load_never_oversubscribes_the_engines(
-    cluster: LocalCluster, load_guard: Loads, decode_ms: float
+    cluster: LocalCluster, load_guard: Loads, decode_ms: float, orphan_timeout: float
 ) -> None:
     """SIGSTOP a master while its decodes run: alive to the kernel (connections open, its address
-    accepts), silent to everyone. Its agents cut its streams and must neither free its slots by the
-    live master's stale counts (``Ack.kept_slots``) nor wait for ``--orphan-timeout`` (set far beyond
-    the deadline here): engine samples free them as its decodes end. When it runs again it still has
-    waiters (their timeouts outlast the stop) and leases that end at once; it must place nothing
-    until it has read that its streams were cut (``pdmaster.pausewatch``). Without that hold, 3 of 4
-    runs of the short-decode case queued requests inside an engine right after SIGCONT.
+    accepts), silent to everyone. Its agents cut its streams and must not free its slots by the live
+    master's stale counts (``Ack.kept_slots``). With decode-length leases engine samples free them as
+    its decodes end (``--orphan-timeout`` is set far beyond the deadline); with leases shorter than a
+    sample's bracket (the Acks around it are 0.15 s apart at least) a sample can rarely tell the live
+    master's leases from the stopped one's, and the orphan timeout (20 s here) hands the last slots
+    on. When it runs again it still has waiters (their timeouts outlast the stop) and leases that
+    end at once; it must place nothing until it has read that its streams were cut
+    (``pdmaster.pausewatch``). Without that hold, 3 of 4 runs of the short-decode case queued requests
+    inside an engine right after SIGCONT.
 
     ``decode_ms`` is the engine's time per decode step: 2 ms makes 24-token requests end within
     tens of milliseconds (a lease turns over many times between two Acks, the slowest case for the
@@ -297,7 +302,7 @@ def test_stopped_master_under_load_never_oversubscribes_the_engines(
     targets = start_fleet(
         cluster,
         masters,
-        agent_extra={"orphan_timeout": 300},
+        agent_extra={"orphan_timeout": orphan_timeout},
         decode_engine_args={"decode_base_ms": decode_ms},
         admission_max_wait="90:90:90",  # waiters outlast the stop: m1 has some when it runs again
     )

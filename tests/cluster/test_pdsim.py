@@ -202,7 +202,8 @@ async def test_sglang_decode_waits_for_late_prefill(launch: Launch) -> None:
         await asyncio.sleep(0.3)
         assert not d_task.done(), "decode must wait for the prefill of its room"
         m = await scrape(s, d)
-        assert m["pdsim_kv_waiting"] == 1 and m["sglang:num_running_reqs"] == 0  # no slot before the KV
+        assert m["pdsim_kv_waiting"] == 2 and m["sglang:num_running_reqs"] == 0  # no slot before the KV
+        assert m["sglang:num_decode_transfer_queue_reqs"] == 2  # both samples wait for their KV
         async with s.post(p.url + "/generate", json=body) as presp:
             assert presp.status == 200
             await presp.read()

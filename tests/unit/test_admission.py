@@ -704,6 +704,49 @@ def test_a_lease_whose_decode_end_the_master_cannot_see_is_not_sure() -> None:
     assert core.sure_on("d1") == 3 and core.sure_on("elsewhere") == 0
 
 
+def test_a_lease_counts_as_in_decode_from_its_decode_request_to_its_end_or_unseen() -> None:
+    """An Ack's kept_slots counts from the leases whose decode request went out (the engine holds
+    them) and whose end the master sees: ``sent_on`` only grows, ``in_decode_on`` follows them."""
+    core = make({"d1": 4})
+    a, b, c = core.submit(2, COLD), core.submit(1, COLD), core.submit(1, COLD)
+    assert core.in_decode_on("d1") == core.sent_on("d1") == 0  # granted, still in the prefill
+    core.decode_sent(a)
+    core.decode_sent(a)  # idempotent
+    core.decode_sent(b)
+    assert core.sent_on("d1") == 3 and core.in_decode_on("d1") == 3
+    core.end_unseen(b)  # its relay paused for a slow client
+    core.end_unseen(c)  # not sent yet: once sent it does not count either
+    core.decode_sent(c)
+    assert core.sent_on("d1") == 4 and core.in_decode_on("d1") == 2
+    for t in (a, b, c):
+        core.release(t)
+    assert core.in_decode_on("d1") == 0 and core.sent_on("d1") == 4
+    core.decode_sent(a)  # released: nothing
+    assert core.sent_on("d1") == 4 and core.sent_on("elsewhere") == 0
+
+
+def test_kept_since_counts_exactly_the_leases_in_decode_at_both_acks() -> None:
+    """Whatever turned over between two Acks, kept is the slots in decode at the first that still
+    are at the second: not lowered by leases that came and went in between."""
+    core = make({"d1": 8})
+    a, b = core.submit(2, COLD), core.submit(1, COLD)
+    core.decode_sent(a)
+    core.decode_sent(b)
+    assert core.kept_since("d1", None) == (0, 1)  # a stream's first Ack claims nothing
+    for _ in range(5):  # turnover between the Acks: sent and ended
+        t = core.submit(1, COLD)
+        core.decode_sent(t)
+        core.release(t)
+    late = core.submit(1, COLD)
+    core.decode_sent(late)  # sent since the first Ack: not kept
+    core.end_unseen(b)  # its end may pass unseen: not kept
+    assert core.kept_since("d1", 1) == (2, 2)  # a alone
+    core.release(a)
+    assert core.kept_since("d1", 2) == (1, 3)  # late: in decode at the Ack before and now
+    assert core.kept_since("d1", 1) == (0, 4)  # a mark that is not the latest: another stream acked
+    assert core.kept_since("d2", None) == (0, 1)
+
+
 # -- pauses of the process (watch_pauses) ------------------------------------------------------
 
 

@@ -7,7 +7,7 @@ import string
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nodeagent.handover import END_SEEN_S, STARTUP, Handover
+from nodeagent.handover import END_SEEN_S, START_SEEN_S, STARTUP, Handover
 from nodeagent.slicing import (
     GONE_SAMPLE_DELAY_S,
     PEER_DETECT_S,
@@ -521,6 +521,22 @@ def test_orphans_cut_together_keep_covering_each_other_when_one_master_returns()
     orphans = s.snapshot()["orphans"]
     assert list(orphans.values()) == [3] and next(iter(orphans)).startswith("(pool "), orphans
     assert s.share_for("a") + max(s.share_for("c"), 1) + 3 <= 8
+
+
+def test_a_sample_taken_right_after_the_opening_ack_is_not_bracketed_by_it() -> None:
+    """A decode request the master sent just before its Ack may not be in the engine's queues yet
+    when a sample is taken right after the Ack came in: the Ack opens a bracket only for samples
+    taken START_SEEN_S after it."""
+    for gap, orphans in ((START_SEEN_S / 2, {"b": 4}), (START_SEEN_S, {"b": 2})):
+        s = started(8, ["a", "b"])
+        for m in ("a", "b"):
+            s.on_ack(m, s.epoch, 4, 0, 2.0, 10, kept=4, answers_sent_at=1.9)
+        s.stream_down("b", 2.0, 11)
+        s.tick(3.0, 12)
+        s.on_ack("a", s.epoch, 3, 0, 3.5, 13, kept=3, answers_sent_at=3.45)
+        s.on_probe(5, 3.5 + gap, 3.55 + gap, 14)
+        s.on_ack("a", s.epoch, 3, 0, 3.8 + gap, 15, kept=3, answers_sent_at=3.7 + gap)
+        assert s.snapshot()["orphans"] == orphans, gap
 
 
 def test_acks_that_do_not_bracket_the_sample_free_nothing() -> None:

@@ -50,3 +50,24 @@ def test_load_signal_urls_go_from_metrics_to_what_stock_sglang_serves() -> None:
         "http://e:1/v1/loads",
         "http://e:1/get_load",
     )
+
+
+def test_a_decode_server_s_requests_waiting_for_their_kv_count_as_waiting() -> None:
+    """SGLang's decode server holds a request in its prealloc and transfer queues until its KV
+    arrives, outside num_queue_reqs: all three are what it holds besides the running ones. vLLM's
+    two KV-usage names are one value, not a sum."""
+    text = "\n".join(
+        [
+            'sglang:num_running_reqs{tp_rank="0"} 4',
+            'sglang:num_queue_reqs{tp_rank="0"} 1',
+            'sglang:num_decode_prealloc_queue_reqs{tp_rank="0"} 2',
+            'sglang:num_decode_transfer_queue_reqs{tp_rank="0"} 3',
+            "vllm:num_requests_waiting 9",
+        ]
+    )
+    s = parse_metrics(text)
+    assert (s.running, s.waiting) == (4, 6)
+    s = parse_metrics(
+        "vllm:num_requests_running 2\nvllm:kv_cache_usage_perc 0.3\nvllm:gpu_cache_usage_perc 0.3\n"
+    )
+    assert (s.running, s.waiting, s.kv_usage) == (2, 0, 0.3)

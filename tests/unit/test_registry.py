@@ -122,23 +122,24 @@ def test_kept_slots_are_the_held_slots_not_granted_since_the_previous_ack() -> N
     assert kept_slots(2, 20, 10) == 0  # more granted than held: nothing can be said
 
 
-def test_an_ack_keeps_only_the_leases_whose_decode_end_the_master_sees() -> None:
-    """kept_slots counts from the leases the master sees running (``sure``), not every active one: a
-    lease it stopped reading for a slow client may have ended in the engine already."""
-    counts = {"active": 5, "granted": 12, "sure": 3}
-    svc = CoordinationService(
-        "m",
-        NodeRegistry(),
-        MasterMetrics(CollectorRegistry(), "m"),
-        slots=lambda _node: (counts["active"], 0),
-        granted=lambda _node: counts["granted"],
-        sure=lambda _node: counts["sure"],
-    )
-    msg, mark = svc._ack("d1", 7, 1, 10)
-    assert msg.ack.active_slots == 5 and msg.ack.kept_slots == 1 and mark == 12  # 3 sure - 2 granted since
-    counts["sure"] = 9  # never above the active slots
-    msg, _ = svc._ack("d1", 7, 2, 12)
-    assert msg.ack.kept_slots == 5
+def test_an_ack_carries_what_the_core_says_was_kept_and_never_more_than_it_runs() -> None:
+    """kept_slots comes from the admission core (``AdmissionCore.kept_since``) with the stream's
+    mark, which the next Ack passes back; it never exceeds the active slots of the same Ack."""
+    calls: list[tuple[str, int | None]] = []
+    counts = {"active": 5, "kept": 3}
+
+    def kept(node: str, mark: int | None) -> tuple[int, int]:
+        calls.append((node, mark))
+        return counts["kept"], len(calls)
+
     metrics = MasterMetrics(CollectorRegistry(), "m")
-    without = CoordinationService("m", NodeRegistry(), metrics, slots=lambda _: (5, 0), granted=lambda _: 12)
-    assert without._ack("d1", 7, 1, 12)[0].ack.kept_slots == 5  # no ``sure``: every active lease counts
+    svc = CoordinationService(
+        "m", NodeRegistry(), metrics, slots=lambda _node: (counts["active"], 0), kept=kept
+    )
+    msg, mark = svc._ack("d1", 7, 1, None)
+    assert msg.ack.active_slots == 5 and msg.ack.kept_slots == 3 and mark == 1
+    counts["kept"] = 9
+    msg, mark = svc._ack("d1", 7, 2, mark)
+    assert msg.ack.kept_slots == 5 and mark == 2 and calls == [("d1", None), ("d1", 1)]
+    without = CoordinationService("m", NodeRegistry(), metrics, slots=lambda _: (5, 0))
+    assert not without._ack("d1", 7, 1, None)[0].ack.HasField("kept_slots")  # as an earlier release

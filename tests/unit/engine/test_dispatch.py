@@ -54,11 +54,14 @@ class Engines:
         self.decode_started = asyncio.Event()
         self.decode_cancelled = asyncio.Event()
         self.bodies: list[dict[str, object]] = []
+        self.prefill_answer: dict[str, object] = {"ok": True}
+        self.prefill_answered = asyncio.Event()
 
     async def prefill(self, request: web.Request) -> web.Response:
         self.bodies.append(await request.json())
         await asyncio.sleep(self.prefill_delay)
-        return web.json_response({"ok": True}, status=self.prefill_status)
+        self.prefill_answered.set()
+        return web.json_response(self.prefill_answer, status=self.prefill_status)
 
     async def decode(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
@@ -138,3 +141,29 @@ async def test_cancelling_the_caller_cancels_both_sides(engines: tuple[Engines, 
         with pytest.raises(asyncio.CancelledError):
             await task
     await asyncio.wait_for(eng.decode_cancelled.wait(), 5)
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+async def test_the_decode_request_going_out_is_reported_once(
+    engines: tuple[Engines, str], protocol: str
+) -> None:
+    """The lease counts as held by D from the moment D's request went out: with SGLang's protocol at
+    once (P and D get the body together, long before P answers), with vLLM's only after P answered."""
+    eng, base = engines
+    eng.prefill_delay = 1.0
+    eng.prefill_answer = {"kv_transfer_params": {"remote_host": "127.0.0.1", "remote_port": 1}}
+    seen: list[bool] = []
+    async with _pool() as pool:
+        d = make_dispatch(protocol, pool)
+        up = await d.open(
+            "/v1/completions",
+            {"prompt": "hi", "stream": True},
+            Node("p", base + "/p", 9),
+            Node("d", base + "/d"),
+            {},
+            None,
+            lambda: seen.append(eng.prefill_answered.is_set()),
+        )
+        await up.read()
+        await up.close()
+    assert seen == [protocol == "vllm"]
