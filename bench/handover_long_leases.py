@@ -17,6 +17,15 @@ only with that flag at its default:
     .venv/bin/python bench/handover_long_leases.py --seeds 30 --slow-fraction 0.1
     .venv/bin/python bench/handover_long_leases.py --seeds 30 --slow-fraction 0.1 --lease-end relay
 
+So are a lease's prefill and what the agents and masters do about it (``prefill_mean_s``,
+``protocol``, ``sample_counts``, ``start_seen_s``, ``kept_from``, ``polling``, ``unsent_on_loss``),
+e.g. agents and masters before and after they counted the leases waiting for their KV:
+
+    .venv/bin/python bench/handover_long_leases.py --holds 3,10 --prefill-mean 1 --protocol vllm \
+        --polling worth
+    .venv/bin/python bench/handover_long_leases.py --holds 3,10 --prefill-mean 1 --protocol vllm \
+        --polling worth --sample-counts held --start-seen 0.1 --kept-from sent
+
 Prints one line per (policy, mean lease) and writes nothing: the counts are the result.
 """
 
@@ -34,6 +43,13 @@ KNOBS = {
     "slow_fraction": 0.0,
     "relay_mean_s": 2.0,
     "end_seen_s": None,  # None: the model's own default (nodeagent.handover.END_SEEN_S)
+    "prefill_mean_s": 0.0,
+    "protocol": "sglang",
+    "sample_counts": "running",
+    "start_seen_s": 0.0,
+    "kept_from": "grant",
+    "polling": "all",
+    "unsent_on_loss": "send",
 }
 
 
@@ -90,6 +106,53 @@ def main() -> None:
         type=float,
         default=None,
         help="seconds after a sample the agent closes its bracket (default: END_SEEN_S)",
+    )
+    p.add_argument(
+        "--prefill-mean",
+        dest="prefill_mean_s",
+        type=float,
+        default=0.0,
+        help="mean prefill, seconds (0: the engine counts a lease from its grant)",
+    )
+    p.add_argument(
+        "--protocol",
+        choices=("sglang", "vllm"),
+        default="sglang",
+        help="PD protocol: the decode request goes out at grant (sglang) or after the prefill (vllm)",
+    )
+    p.add_argument(
+        "--sample-counts",
+        dest="sample_counts",
+        choices=("running", "held"),
+        default="running",
+        help="what an engine sample counts: running requests, or every request the engine holds",
+    )
+    p.add_argument(
+        "--start-seen",
+        dest="start_seen_s",
+        type=float,
+        default=0.0,
+        help="seconds after the Acks that open a bracket the agent takes its sample",
+    )
+    p.add_argument(
+        "--kept-from",
+        dest="kept_from",
+        choices=("grant", "sent"),
+        default="grant",
+        help="masters count a lease in kept_slots from its grant, or once its decode request went out",
+    )
+    p.add_argument(
+        "--polling",
+        choices=("all", "worth"),
+        default="all",
+        help="during a handover the agent polls every master, or those whose Ack can move it on",
+    )
+    p.add_argument(
+        "--unsent-on-loss",
+        dest="unsent_on_loss",
+        choices=("send", "cancel"),
+        default="send",
+        help="a master that lost a node sends its leases' pending decode requests there, or cancels them",
     )
     args = p.parse_args()
     extra = knobs(args)

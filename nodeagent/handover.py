@@ -296,13 +296,18 @@ class Handover:
             return  # an orphan newer than the sample: the sample may predate its leases ending
         candidates = self._releasable(reachable)
         surely = sum(self._surely_running(h, s, at_sample) for h in self.holders.values())
-        alive = [m for m in candidates if not self.orphans[m].gone]
+        alive = [m for m in candidates if not self._gone(self.orphans[m])]
         self._cut(alive, max(0, s.running - surely))
         if at_sample:
-            gone = [m for m in candidates if m in self.orphans and self.orphans[m].gone]
+            gone = [m for m in candidates if m in self.orphans and self._gone(self.orphans[m])]
             others = sum(self.orphans[m].slots for m in alive if m in self.orphans)
             acked = sum(h.active for h in self.holders.values())
             self._cut(gone, max(0, s.running - acked - others))
+
+    def _gone(self, o: Orphan) -> bool:
+        """Its requests were cancelled or have ended: set against the acked counts. Not while it is
+        in a pool with orphans of masters that may be alive, whose leases what is left may cover."""
+        return o.gone and (o.pool is None or self._pools[o.pool].gone)
 
     @staticmethod
     def _surely_running(h: Holder, s: Sample, at_sample: bool) -> int:
@@ -360,7 +365,7 @@ class Handover:
     def waits_for_bracket(self, reachable: Iterable[str]) -> bool:
         """Some reserved slots of a master that may be alive wait for a sample that the live
         masters' Acks bracket (see :meth:`reconsider`): worth polling them around each sample."""
-        return any(not self.orphans[m].gone for m in self._releasable(reachable))
+        return any(not self._gone(self.orphans[m]) for m in self._releasable(reachable))
 
     def expire(self, now: float, members: Iterable[str]) -> bool:
         """Release orphans past the timeout, and the startup reservation once it is known."""

@@ -7,7 +7,7 @@ a partition that each side notices only when its keep-alive fires); masters join
 crash and restart; agents crash and restart; the engine's running count is what the masters' leases
 really use on it. After every event the model checks, for every node,
 
-    Σ over live masters of max(share the master may use now, leases it runs there)  ≤  capacity
+    Σ over live masters of max(share the master may use now, leases it runs or will run there)  ≤  capacity
 
 which is the strict-handover promise (DESIGN §4). The same harness drives the demand-policy
 benchmark, with Poisson arrivals per master and leases held for a random time.
@@ -18,6 +18,22 @@ client is slow (``slow_fraction``) is released only once that client has caught 
 after its decode ended: masters of this release (``lease_end="seen"``) stopped reading its answer
 before that (``AdmissionCore.end_unseen``) and no longer count it as surely running; masters of
 earlier releases (``"relay"``) count it as running until they release it.
+
+A lease starts twice too (``prefill_mean_s`` > 0; at 0 the engine counts it from its grant). It
+first goes through its prefill, and the decode engine holds its request before running it: under
+SGLang's protocol (``protocol="sglang"``) the master sends the decode request at grant, and the
+engine keeps it waiting for its KV (prealloc and transfer queues, outside the running count) until
+the prefill is over; under vLLM's (``"vllm"``) the master sends it once the prefill is over, and the
+engine keeps it waiting for the remote KV a moment more. Its decode then runs ``hold`` seconds from
+when it starts, as long as it would without a prefill. What an engine sample counts
+(``sample_counts``: the running requests, or every request the engine holds), how long after the
+Acks that open its bracket it is taken (``start_seen_s``), from when masters count a lease in
+kept_slots (``kept_from``: its grant, or its decode request) and what a master does with the
+leases still in their prefill on a node it lost (``unsent_on_loss``) are options, so that the runs
+show which of them the bound needs. So is which masters the agent polls during a handover
+(``polling``): a Report answered between a bracket's opening Ack and its sample voids the bracket
+for that master, so an agent that polls every master at 10 Hz rarely completes one once it waits
+``start_seen_s``.
 """
 
 from __future__ import annotations
@@ -29,10 +45,15 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import nodeagent.handover as _handover
 from nodeagent.handover import END_SEEN_S
 from nodeagent.slicing import BRACKET_ACK_WAIT_S, PEER_DETECT_S, SharePolicy, Slicer
 from pdmaster.admission import AdmissionCore, AdmissionPolicy, RequestClass, Ticket, TicketState
 from pdmaster.registry import DECODE, NodeRegistry, ProtocolError, ShareChanges, kept_slots, split_changes
+
+# How long after the Ack that opens a bracket the agent's core accepts a sample as bracketed (0 for
+# cores older than nodeagent.handover.START_SEEN_S, which accept any sample taken after that Ack).
+CORE_START_SEEN_S: float = getattr(_handover, "START_SEEN_S", 0.0)
 
 
 @dataclass
@@ -55,6 +76,10 @@ class SimConfig:
     grace_s: float = 1.0
     report_s: float = 1.0
     poll_s: float = 0.1  # report interval while a handover is pending
+    # Which masters the agent asks every poll_s while a handover is pending: "all" of them (the
+    # model's agent so far), or only those whose Ack can move it on, as NodeAgent._worth_polling
+    # (the others hear from it every report_s, and in the Reports around bracketed samples).
+    polling: str = "all"
     probe_s: float = 0.5
     # A partition is noticed by the master within this (its keep-alive) and by the agent within
     # agent_detect_s; the master's must stay within peer_detect_s for strict handover to hold.
@@ -80,6 +105,27 @@ class SimConfig:
     # How long after an engine sample came back the agent sends the Reports whose Acks close its
     # bracket, and the least it accepts (nodeagent.handover.END_SEEN_S; NodeAgent._probe_loop).
     end_seen_s: float = END_SEEN_S
+    # A lease's prefill, exponential (0: none, the engine counts the lease from its grant), and the PD
+    # protocol, which decides when the decode engine gets its request: "sglang" (at grant, then
+    # waiting for its KV until the prefill is over) or "vllm" (once the prefill is over). The decode
+    # runs hold_mean_s from when it starts: a prefill does not shorten it (counted from the grant, a
+    # long prefill would end the decode before it began).
+    prefill_mean_s: float = 0.0
+    protocol: str = "sglang"
+    # What an engine sample counts: "running" (earlier agents) or "held", running and waiting: every
+    # request that reached the decode engine.
+    sample_counts: str = "running"
+    # How long after the Acks that open a bracket came in (or the wait for them ran out) the agent
+    # takes its sample, and the least it accepts (nodeagent.handover.START_SEEN_S; 0: at once).
+    start_seen_s: float = 0.0
+    # From when a master counts a lease in Ack.kept_slots: "grant" (masters of earlier releases: held
+    # now less the slots granted since the previous Ack), or "sent" (this release: the leases in decode
+    # at both Acks, from when their decode request went out, AdmissionCore.decode_sent/kept_since;
+    # under vLLM's protocol after the prefill, under SGLang's at grant).
+    kept_from: str = "grant"
+    # What a master does with the leases still in their prefill on a node whose stream it lost:
+    # "send" their decode requests there all the same (this release), or "cancel" them.
+    unsent_on_loss: str = "send"
     # Masters of this release end a drain that timed out by cancelling what still runs, and mark their
     # key drained just before they revoke it (agents free their slots at once); False: as masters of
     # earlier releases, which revoke with requests still running and say nothing in the key.
@@ -110,7 +156,9 @@ class Stream:
     token: int | None = None  # registry stream token, once the master admitted the Register
     a2m_last: float = 0.0  # FIFO: a message is delivered no earlier than the previous one
     m2a_last: float = 0.0
-    kept_mark: int | None = None  # the master's slots-granted count at its previous Ack here
+    # The mark of the master's previous Ack here: its slots-granted count (kept_from="grant"), or
+    # what AdmissionCore.kept_since returned ("sent").
+    kept_mark: int | None = None
 
 
 @dataclass
@@ -123,6 +171,8 @@ class Link:
     report_seq: int = -1  # the last Report sent, and when (NodeAgent's MasterLink)
     report_sent_at: float = -math.inf
     answered_seq: int = -1
+    sent_epoch: int = 0  # the epoch of the grant in the last message sent
+    acked: tuple[int, int] | None = None  # the last Ack on this stream: (applied epoch, active slots)
 
 
 @dataclass
@@ -139,6 +189,7 @@ class SimAgent:
     bracket_next: bool = False  # the next engine sample gets Acks around it (NodeAgent._probe_loop)
     polled: list[Link] | None = None  # the links asked before a bracketed sample, until it is taken
     closing: bool = False  # waiting end_seen_s to close a sample's bracket: no new sample until then
+    starting: bool = False  # waiting start_seen_s after the opening Acks: no new sample until then
 
 
 @dataclass
@@ -153,10 +204,19 @@ class SimMaster:
     core: AdmissionCore | None = None
     streams: dict[str, Stream] = field(default_factory=dict)  # node -> the stream it holds
     leases: dict[int, Ticket] = field(default_factory=dict)
-    # Its leases whose decode still runs in the engine (ticket ids), and their slots per node: what
-    # the engine counts, which is not what the master holds for the moments after a decode ended.
-    decoding: set[int] = field(default_factory=set)
+    # Its leases whose decode the engine has not finished (ticket ids, from grant to the decode's
+    # end), and where each is: "prefill" (the engine has not got its request yet), "waiting" (the
+    # engine holds it, waiting for its KV) or "running". Slots per node: of all of them (what the
+    # engine will have to hold), of those the engine runs and of those it holds waiting. None of
+    # these is what the master holds, which also covers the moments after a decode ended.
+    decoding: dict[int, str] = field(default_factory=dict)
+    unfinished_on: dict[str, int] = field(default_factory=dict)
     decoding_on: dict[str, int] = field(default_factory=dict)
+    waiting_on: dict[str, int] = field(default_factory=dict)
+
+    def engine_reset(self) -> None:
+        """The process is gone, or starts afresh: the engines dropped its requests."""
+        self.decoding, self.unfinished_on, self.decoding_on, self.waiting_on = {}, {}, {}, {}
 
 
 @dataclass
@@ -169,6 +229,7 @@ class Stats:
     waits: dict[str, list[float]] = field(default_factory=dict)
     busy_slot_s: float = 0.0  # Σ over time of slots the engines run, for utilisation
     slow_leases: int = 0  # leases granted to a slow client (slow_fraction)
+    cancelled_unsent: int = 0  # leases in their prefill whose master lost the node (unsent_on_loss)
     measured_s: float = 0.0
     events: int = 0
     # Per churn event: (time, kind, master, seconds until every node converged; None: not within
@@ -181,6 +242,15 @@ class ProtocolSim:
     def __init__(self, cfg: SimConfig, seed: int) -> None:
         if cfg.lease_end not in ("seen", "relay"):
             raise ValueError(f"lease_end {cfg.lease_end!r}: 'seen' or 'relay'")
+        for name, allowed in (
+            ("protocol", ("sglang", "vllm")),
+            ("sample_counts", ("running", "held")),
+            ("kept_from", ("grant", "sent")),
+            ("polling", ("all", "worth")),
+            ("unsent_on_loss", ("send", "cancel")),
+        ):
+            if getattr(cfg, name) not in allowed:
+                raise ValueError(f"{name} {getattr(cfg, name)!r}: one of {allowed}")
         self.cfg = cfg
         self.rng = random.Random(seed)
         self.now = 0.0
@@ -200,6 +270,15 @@ class ProtocolSim:
         self._skip_check = False
         started = cfg.masters if cfg.start_masters is None else cfg.start_masters
         self.routable: set[str] = set(started)  # masters the load balancer sends requests to
+        # The core accepts a bracket whose opening Ack came in CORE_START_SEEN_S before the sample
+        # (at least; strictly before in cores older than that constant). An agent that accepts
+        # start_seen_s instead is the same comparison with the Ack's time shifted by the difference:
+        # a nanosecond less, so that rounding accepts the sample taken start_seen_s after it; at 0,
+        # a nanosecond more, as the earlier agents that read their Acks before taking the sample.
+        if cfg.start_seen_s > 0:
+            self._ack_shift = cfg.start_seen_s - 1e-9 - CORE_START_SEEN_S
+        else:
+            self._ack_shift = 1e-9 - CORE_START_SEEN_S if CORE_START_SEEN_S > 0 else 0.0
 
     # -- event loop ---------------------------------------------------------------------------
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -240,13 +319,17 @@ class ProtocolSim:
 
     # -- the invariant ------------------------------------------------------------------------
     def usable(self, node: str) -> int:
-        """Σ over live masters of max(share, its leases the engine runs): most the engine may have
-        to run at once from now on. A master counts its leases from grant to release, which covers
-        every lease of it the engine runs, so it grants at most share - held ≤ share - running more:
-        its engine load stays within max(share, running). The leases it still holds after their
-        decode ended (the end on its way, a slow client catching up) use no engine slot, and a
-        sample that frees them for another master does not oversubscribe the engine: counting them
-        here would flag exactly the release strict handover is meant to make."""
+        """Σ over live masters of max(share, its leases the engine has not finished): most the
+        engine may have to run at once from now on. A lease counts from its grant to the end of its
+        decode in the engine, whether its request reached the engine yet or not: one in its prefill
+        is on its way and will need a slot there, so a release that leaves no room for it is the
+        overshoot, even before the engine has it (counting only what the engine holds would see it
+        only later, if at all). A master counts its leases from grant to release, which covers that
+        span, so it grants at most share - held ≤ share - unfinished more: its engine load stays
+        within max(share, unfinished). The leases it still holds after their decode ended (the end
+        on its way, a slow client catching up) use no engine slot, and a sample that frees them for
+        another master does not oversubscribe the engine: counting them here would flag exactly the
+        release strict handover is meant to make. Without a prefill it is what the engine runs."""
         total = 0
         for m in self.masters.values():
             if not m.alive or m.core is None:
@@ -255,7 +338,7 @@ class ProtocolSim:
             share = n.effective_share if n is not None else 0
             if m.draining and m.core.queued_requests == 0:
                 share = 0  # takes no new requests and has none waiting: it can only finish leases
-            total += max(share, m.decoding_on.get(node, 0))
+            total += max(share, m.unfinished_on.get(node, 0))
         return total
 
     def check(self) -> None:
@@ -440,7 +523,7 @@ class ProtocolSim:
         m.registry = NodeRegistry()
         m.core = AdmissionCore(self.cfg.admission, clock=lambda: self.now)
         m.streams, m.leases = {}, {}
-        m.decoding, m.decoding_on = set(), {}
+        m.engine_reset()
         self.drained.discard(mid)  # a new process: its key says nothing of the last one's drain
         # The master's own path: the registry hands admission only the nodes whose share changed.
         m.registry.subscribe_changes(lambda changes, m=m: self.master_shares(m, changes))  # type: ignore[misc]
@@ -482,23 +565,99 @@ class ProtocolSim:
     def _granted(self, m: SimMaster, t: Ticket) -> None:
         m.leases[t.id] = t
         assert t.node is not None
-        m.decoding.add(t.id)
-        m.decoding_on[t.node] = m.decoding_on.get(t.node, 0) + t.slots
+        m.decoding[t.id] = "prefill"
+        m.unfinished_on[t.node] = m.unfinished_on.get(t.node, 0) + t.slots
         if self.now >= self.measure_from:
             self.stats.granted[m.mid] = self.stats.granted.get(m.mid, 0) + 1
             self.stats.waits.setdefault(m.mid, []).append(t.wait_s or 0.0)
         cfg = self.cfg
         hold = self.rng.expovariate(1 / cfg.hold_mean_s)
         relay = 0.0
+        paused = None
         if cfg.slow_fraction > 0 and self.rng.random() < cfg.slow_fraction:
             self.stats.slow_leases += 1
             relay = self.rng.expovariate(1 / cfg.relay_mean_s)
             # The relay pauses once the client is far enough behind, some time during the decode.
             # Drawn in both modes, so that a seed offers the same traffic to either.
             paused = self.rng.uniform(0.0, hold)
-            if cfg.lease_end == "seen":
-                self.after(paused, lambda inc=m.inc: self.lease_unseen(m, inc, t))  # type: ignore[misc]
-        self.after(hold, lambda inc=m.inc: self.decode_end(m, inc, t, relay))  # type: ignore[misc]
+        inc = m.inc
+        if cfg.prefill_mean_s <= 0:
+            # No prefill: sent, held and running at once (and no draws, so seeds keep their runs).
+            self.decode_sent(m, inc, t)
+            self.decode_arrived(m, inc, t)
+            self.decode_started(m, inc, t, hold, relay, paused)
+            return
+        # Drawn after the draws above, so that a seed offers the same traffic whatever the prefill.
+        prefill = self.rng.expovariate(1 / cfg.prefill_mean_s)
+        to_engine, kv = self.delay(), self.delay()
+
+        # These move the lease within the engine, not its grant or end: the invariant stays.
+        def arrived() -> None:
+            self._skip_check = True
+            self.decode_arrived(m, inc, t)
+
+        def start() -> None:
+            self._skip_check = True
+            self.decode_started(m, inc, t, hold, relay, paused)
+
+        if cfg.protocol == "sglang":
+            # The decode request goes out with the prefill's; the engine runs it once its KV is in.
+            self.decode_sent(m, inc, t)
+            self.after(to_engine, arrived)
+            self.after(max(to_engine, prefill + kv), start)
+        else:
+            # The decode request goes out once the prefill answered; then the engine pulls the KV.
+            def sent() -> None:
+                self._skip_check = True
+                self.decode_sent(m, inc, t)
+                if t.sent:
+                    self.after(to_engine, arrived)
+                    self.after(to_engine + kv, start)
+
+            self.after(prefill, sent)
+
+    def _engine_has(self, m: SimMaster, inc: int, t: Ticket) -> bool:
+        return m.inc == inc and m.alive and t.id in m.decoding
+
+    def decode_sent(self, m: SimMaster, inc: int, t: Ticket) -> None:
+        """The master sent the lease's decode request (kept_from="sent" counts it from now on)."""
+        if self._engine_has(m, inc, t) and t.id in m.leases and m.core is not None:
+            m.core.decode_sent(t)
+
+    def decode_arrived(self, m: SimMaster, inc: int, t: Ticket) -> None:
+        """The decode request reached the engine, which holds it waiting for its KV."""
+        if not self._engine_has(m, inc, t) or m.decoding[t.id] != "prefill":
+            return
+        assert t.node is not None
+        m.decoding[t.id] = "waiting"
+        m.waiting_on[t.node] = m.waiting_on.get(t.node, 0) + t.slots
+
+    def decode_started(
+        self, m: SimMaster, inc: int, t: Ticket, hold: float, relay: float, paused: float | None
+    ) -> None:
+        """The engine runs the decode, for ``hold`` seconds."""
+        if not self._engine_has(m, inc, t):
+            return
+        assert t.node is not None
+        if m.decoding[t.id] == "waiting":
+            m.waiting_on[t.node] -= t.slots
+        m.decoding[t.id] = "running"
+        m.decoding_on[t.node] = m.decoding_on.get(t.node, 0) + t.slots
+        if paused is not None and self.cfg.lease_end == "seen":
+            self.after(paused, lambda: self.lease_unseen(m, inc, t))
+        self.after(hold, lambda: self.decode_end(m, inc, t, relay))
+
+    def _engine_drop(self, m: SimMaster, t: Ticket) -> None:
+        """The engine no longer has the lease's request: its decode ended, or it was cancelled."""
+        stage = m.decoding.pop(t.id, None)
+        if stage is None:
+            return
+        assert t.node is not None
+        m.unfinished_on[t.node] -= t.slots
+        if stage == "running":
+            m.decoding_on[t.node] -= t.slots
+        elif stage == "waiting":
+            m.waiting_on[t.node] -= t.slots
 
     def lease_unseen(self, m: SimMaster, inc: int, t: Ticket) -> None:
         self._skip_check = True  # changes no share and no lease
@@ -509,11 +668,9 @@ class ProtocolSim:
         """The engine finished the decode: it no longer counts it. The master releases the lease once
         the last bytes reached it, and for a slow client once that client has them too."""
         self._skip_check = not self.cfg.check_traffic_events
-        if m.inc != inc or not m.alive or t.id not in m.decoding:
+        if not self._engine_has(m, inc, t):
             return  # the process died with its leases
-        m.decoding.discard(t.id)
-        assert t.node is not None
-        m.decoding_on[t.node] -= t.slots
+        self._engine_drop(m, t)
         self.after(self.delay() + relay, lambda: self.lease_end(m, inc, t))
 
     def lease_end(self, m: SimMaster, inc: int, t: Ticket) -> None:
@@ -547,7 +704,7 @@ class ProtocolSim:
         m.alive = False
         m.core = None  # the engine cancels the dead process's requests: its leases vanish
         m.leases = {}
-        m.decoding, m.decoding_on = set(), {}
+        m.engine_reset()
         for s in list(m.streams.values()):
             s.cut = True
             s.master_open = False
@@ -575,12 +732,9 @@ class ProtocolSim:
             if timed_out:
                 # MasterServer.drain: what still runs is cancelled (the engines drop it) first.
                 for t in list(m.leases.values()):
-                    if t.id in m.decoding:
-                        m.decoding.discard(t.id)
-                        assert t.node is not None
-                        m.decoding_on[t.node] -= t.slots
+                    self._engine_drop(m, t)
+                    m.leases.pop(t.id, None)
                     m.core.release(t)
-                m.leases = {}
             self.drained.add(m.mid)  # the key says so just before the revocation: one watch step
         # Revoke the lease, then stop: streams close cleanly; leases past the drain timeout end.
         self.stats.left[m.mid] = self.now
@@ -596,7 +750,7 @@ class ProtocolSim:
             m.draining = False
             m.core = None
             m.leases = {}
-            m.decoding, m.decoding_on = set(), {}
+            m.engine_reset()
             for s in list(m.streams.values()):
                 s.master_open = False
                 s.cut = True
@@ -619,6 +773,17 @@ class ProtocolSim:
             del m.streams[s.node]
         if s.token is not None:
             m.registry.disconnect(s.node, s.token)
+        if self.cfg.unsent_on_loss == "cancel" and s.node not in m.streams and m.core is not None:
+            # It may no longer place work there: nor the decodes of leases still in their prefill,
+            # which the node's samples cannot see (the agent frees their slots once it could have
+            # noticed the loss).
+            for t in [t for t in m.leases.values() if t.node == s.node and not t.sent]:
+                self._engine_drop(m, t)
+                m.leases.pop(t.id, None)
+                self.stats.cancelled_unsent += 1
+                self.master_changes(m, m.core.release(t))
+            if m.draining and m.core.active == 0:
+                self.master_leave(m)
 
     def _abort(self, s: Stream) -> None:
         """The master refuses the stream: both ends close (the agent hears it after a delay)."""
@@ -655,9 +820,15 @@ class ProtocolSim:
         live = max(1, len(m.registry.live(DECODE)))
         wanted = -(-m.core.wanted_slots() // live)
         kept = None
-        if self.cfg.kept_acks:
+        if self.cfg.kept_acks and self.cfg.kept_from == "sent":
+            # As CoordinationService._ack: the leases in decode at both Acks (their decode request
+            # went out, their end in sight).
+            kept, s.kept_mark = m.core.kept_since(s.node, s.kept_mark)
+            kept = min(kept, active)
+        elif self.cfg.kept_acks:
+            # As the previous release: the leases held now (only those whose end it sees, as of
+            # end_unseen) less the slots granted since the previous Ack.
             granted = m.core.granted_on(s.node)
-            # As CoordinationService._ack: this release counts only the leases whose end it sees.
             sure = min(active, m.core.sure_on(s.node)) if self.cfg.lease_end == "seen" else active
             kept = kept_slots(sure, granted, s.kept_mark)
             s.kept_mark = granted
@@ -679,7 +850,7 @@ class ProtocolSim:
         a.inc += 1
         a.alive = True
         a.links = {}
-        a.polled, a.bracket_next, a.closing = None, False, False
+        a.polled, a.bracket_next, a.closing, a.starting = None, False, False, False
         a.slicer = Slicer(
             node_id=a.node,
             capacity=a.capacity,
@@ -758,6 +929,7 @@ class ProtocolSim:
             return
         s = Stream(next(self._sid), a.node, m.mid, a.inc, m.inc)
         link.stream = s
+        link.acked = None
         self.agent_send(a, link, "register")
 
     def agent_send(self, a: SimAgent, link: Link, kind: str) -> None:
@@ -769,6 +941,7 @@ class ProtocolSim:
         if kind == "report":
             link.report_seq, link.report_sent_at = seq, self.now
         grant = (a.slicer.share_for(link.master), a.slicer.epoch)
+        link.sent_epoch = a.slicer.epoch
         link.next_report = self.now + (self.cfg.poll_s if a.slicer.handover_pending else self.cfg.report_s)
         t = max(self.now + self.delay(), s.a2m_last)
         s.a2m_last = t
@@ -801,6 +974,7 @@ class ProtocolSim:
         # the send time shifted by the difference.
         answers += END_SEEN_S - self.cfg.end_seen_s
         link.answered_seq = seq
+        link.acked = (epoch, active)
         changed |= a.slicer.on_ack(
             s.master,
             epoch,
@@ -812,10 +986,13 @@ class ProtocolSim:
             kept=kept,
             answers_sent_at=answers,
         )
+        h = a.slicer._ho.holders.get(s.master)
+        if self._ack_shift and h is not None and h.acked_at == self.now:
+            h.acked_at += self._ack_shift
         if changed:
             self._changed(a)
         if a.polled is not None and all(not x.up or x.answered_seq == x.report_seq for x in a.polled):
-            self.agent_sample(a)
+            self._bracket_sample(a)
 
     def agent_stream_closed(self, s: Stream) -> None:
         a = self.agents[s.node]
@@ -851,13 +1028,29 @@ class ProtocolSim:
             return
         if a.slicer.tick(self.now, self.time_ns()):
             self._changed(a)
+        polling = self.cfg.polling == "worth" and a.slicer.handover_pending
         for link in a.links.values():
-            if link.up and self.now >= link.next_report:
-                self.agent_send(a, link, "report")
+            if not link.up or self.now < link.next_report:
+                continue
+            heartbeat = self.now >= link.report_sent_at + self.cfg.report_s
+            if polling and not heartbeat and not self._worth_polling(a, link):
+                continue
+            self.agent_send(a, link, "report")
+
+    def _worth_polling(self, a: SimAgent, link: Link) -> bool:
+        """As NodeAgent._worth_polling: its Ack can move the handover on (it has not confirmed the
+        current grant, or runs more than it), and its answer to the previous Report is in."""
+        assert a.slicer is not None
+        if link.answered_seq != link.report_seq and self.now - link.report_sent_at < 5.0:
+            return False
+        if link.acked is None:
+            return True
+        applied, active = link.acked
+        return applied < link.sent_epoch or active > a.slicer.share_for(link.master)
 
     def agent_probe(self, a: SimAgent) -> None:
         self.after(self.cfg.probe_s, lambda: self.agent_probe(a))
-        if not a.alive or a.slicer is None or a.polled is not None or a.closing:
+        if not a.alive or a.slicer is None or a.polled is not None or a.closing or a.starting:
             return
         if a.bracket_next and a.slicer.waits_for_bracket:
             # As NodeAgent._probe_loop: Acks from every connected master first, then the sample.
@@ -871,17 +1064,37 @@ class ProtocolSim:
             inc = a.inc
             self.after(
                 BRACKET_ACK_WAIT_S,
-                lambda: self.agent_sample(a) if a.inc == inc and a.polled is not None else None,
+                lambda: self._bracket_sample(a) if a.inc == inc and a.polled is not None else None,
             )
             return
         self.agent_sample(a, bracket=False)
+
+    def _bracket_sample(self, a: SimAgent) -> None:
+        """The Acks asked before a bracketed sample came in (or the wait for them ran out): the
+        sample, start_seen_s later, so that what the masters sent before their Acks is in the
+        engine's queues by then."""
+        if self.cfg.start_seen_s <= 0:
+            self.agent_sample(a)
+            return
+        a.polled, a.starting = None, True
+        inc = a.inc
+
+        def take() -> None:
+            if a.inc == inc:
+                a.starting = False
+                self.agent_sample(a)
+
+        self.after(self.cfg.start_seen_s, take)
 
     def agent_sample(self, a: SimAgent, bracket: bool = True) -> None:
         a.polled = None
         if not a.alive or a.slicer is None:
             return
         taken = self.now
-        running = sum(m.decoding_on.get(a.node, 0) for m in self.masters.values() if m.alive)
+        live = [m for m in self.masters.values() if m.alive]
+        running = sum(m.decoding_on.get(a.node, 0) for m in live)
+        if self.cfg.sample_counts == "held":
+            running += sum(m.waiting_on.get(a.node, 0) for m in live)
         inc = a.inc
 
         def deliver() -> None:
