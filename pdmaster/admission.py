@@ -480,8 +480,8 @@ class AdmissionCore:
         self._share_counts: dict[int, int] = {}
         self._full_counts: dict[int, int] = {}
         self._active: dict[str, int] = {}
-        # Slots ever granted per node (only grows): an Ack's kept_slots is the active slots minus
-        # those granted since the previous Ack.
+        # Slots ever granted per node (only grows): what masters of the previous release counted an
+        # Ack's kept_slots from (registry.kept_slots; the protocol model's earlier-release masters).
         self._granted_on: dict[str, int] = {}
         # Slots of running leases whose decode end this master may not see in time (end_unseen):
         # not counted in an Ack's kept_slots.
@@ -565,7 +565,8 @@ class AdmissionCore:
 
     def sure_on(self, node: str) -> int:
         """Slots of the leases on ``node`` whose decode end this master sees as it happens: all
-        running leases but those marked with :meth:`end_unseen` (the base of an Ack's kept_slots)."""
+        running leases but those marked with :meth:`end_unseen`, sent or not (what kept_slots counted
+        from before :meth:`decode_sent`; the protocol model's earlier-release masters use it)."""
         return self._active.get(node, 0) - self._unseen_on.get(node, 0)
 
     def sent_on(self, node: str) -> int:
