@@ -38,6 +38,7 @@ from pdmaster.engine.health import EngineBreakers, counts_as_failure
 from pdmaster.fanout import Part, split
 from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import RequestMetrics
+from pdmaster.registry import Node
 from pdmaster.relay import NO_LEASE, relay_body, relay_parts_body, relay_parts_stream, relay_stream
 from pdmaster.routing import Router
 
@@ -59,8 +60,18 @@ def _stalled(error: EngineError | None) -> bool:
 
 def _retryable(exc: EngineError) -> bool:
     """An engine failure another pair may not have: no connection, no answer in time, a connection
-    closed under the request, a 5xx, or a half-open breaker busy with its trial."""
-    return exc.node is not None and (exc.kind == "breaker" or counts_as_failure(exc.kind, exc.engine_status))
+    closed under the request, a 5xx, a half-open breaker busy with its trial, or a decode node this
+    master lost its stream to before the decode request went out."""
+    return exc.node is not None and (
+        exc.kind in ("breaker", "lost") or counts_as_failure(exc.kind, exc.engine_status)
+    )
+
+
+def _still_held(decode: Node) -> Callable[[], bool]:
+    """Whether this master still holds its stream to the decode node's agent, the one it had when the
+    request was routed: over a new stream the agent may have handed the slot on meanwhile."""
+    stream = decode.stream
+    return lambda: decode.connected and decode.stream == stream
 
 
 class RequestPipeline:
@@ -235,6 +246,7 @@ class RequestPipeline:
                 ctx.engine_headers(ctx.engine_request_id),
                 ctx.raw,
                 ctx.lease.decode_sent if ctx.lease is not None else None,
+                _still_held(ctx.decode),
             )
         except EngineError as exc:
             log.info(
@@ -295,9 +307,11 @@ class RequestPipeline:
             if unsent == 0 and ctx.lease is not None:
                 ctx.lease.decode_sent()
 
+        held = _still_held(decode)
+
         async def one(part: Part) -> EngineResponse:
             return await dispatch.open(
-                ctx.endpoint, part.body, prefill, decode, ctx.engine_headers(self.new_id()), None, sent
+                ctx.endpoint, part.body, prefill, decode, ctx.engine_headers(self.new_id()), None, sent, held
             )
 
         try:

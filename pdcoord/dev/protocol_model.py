@@ -124,7 +124,9 @@ class SimConfig:
     # under vLLM's protocol after the prefill, under SGLang's at grant).
     kept_from: str = "grant"
     # What a master does with the leases still in their prefill on a node whose stream it lost:
-    # "send" their decode requests there all the same (this release), or "cancel" them.
+    # "send" their decode requests there all the same (earlier releases), or "cancel" them (this
+    # release refuses to send them, at send time: pdmaster.pipeline._still_held; the model drops
+    # them when the loss is noticed, which frees the master's slot earlier, the engine's the same).
     unsent_on_loss: str = "send"
     # Masters of this release end a drain that timed out by cancelling what still runs, and mark their
     # key drained just before they revoke it (agents free their slots at once); False: as masters of

@@ -180,9 +180,12 @@ class Dispatch:
         headers: Mapping[str, str],
         raw: bytes | None = None,
         on_decode_sent: Callable[[], None] | None = None,
+        may_send_decode: Callable[[], bool] | None = None,
     ) -> EngineResponse:
         """``raw``: the client's JSON text of ``body``, reused (not re-encoded) when possible;
-        ``on_decode_sent``: called once D's request went out (from then on D holds it)."""
+        ``on_decode_sent``: called once D's request went out (from then on D holds it);
+        ``may_send_decode``: asked just before, False when the slot it was placed on may no longer be
+        this master's (EngineError ``lost``, which another pair may serve)."""
         raise NotImplementedError
 
 
@@ -199,6 +202,7 @@ class SGLangDispatch(Dispatch):
         headers: Mapping[str, str],
         raw: bytes | None = None,
         on_decode_sent: Callable[[], None] | None = None,
+        may_send_decode: Callable[[], bool] | None = None,
     ) -> EngineResponse:
         port = prefill.bootstrap_port
         if port is None:
@@ -206,6 +210,7 @@ class SGLangDispatch(Dispatch):
                 f"prefill node {prefill.node_id} registered no bootstrap_port", status=503, kind="config"
             )
         data = with_bootstrap(raw, body, origin(prefill.endpoint).host, port, random.getrandbits(63))
+        _check_decode(decode, may_send_decode)
         # The same body goes to P and D at once; P's answer is dropped as it arrives.
         p = await _sent(self.pool, prefill, path, data, headers, discard=True)
         try:
@@ -255,6 +260,7 @@ class VLLMDispatch(Dispatch):
         headers: Mapping[str, str],
         raw: bytes | None = None,
         on_decode_sent: Callable[[], None] | None = None,
+        may_send_decode: Callable[[], bool] | None = None,
     ) -> EngineResponse:
         p_body = dict(body)
         p_body["stream"] = False
@@ -289,6 +295,7 @@ class VLLMDispatch(Dispatch):
             )
         d_body = dict(body)
         d_body["kv_transfer_params"] = params
+        _check_decode(decode, may_send_decode)  # the prefill took a while: is the slot still ours?
         d = await _sent(self.pool, decode, path, json.dumps(d_body).encode(), headers)
         if on_decode_sent is not None:
             on_decode_sent()
@@ -298,6 +305,19 @@ class VLLMDispatch(Dispatch):
             d.abort()
             raise
         return EngineResponse(d)
+
+
+def _check_decode(decode: EngineNode, may_send: Callable[[], bool] | None) -> None:
+    """Strict handover: an agent may free a lost master's slots once no engine sample shows them in
+    use, and a decode request that was not yet sent shows in none, so none goes out after the loss."""
+    if may_send is not None and not may_send():
+        raise EngineError(
+            f"decode {decode.node_id}: this master lost its stream to the node's agent before the decode "
+            "request went out",
+            status=503,
+            kind="lost",
+            node=decode.node_id,
+        )
 
 
 PROTOCOLS: dict[str, type[Dispatch]] = {"sglang": SGLangDispatch, "vllm": VLLMDispatch}

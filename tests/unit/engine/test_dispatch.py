@@ -167,3 +167,29 @@ async def test_the_decode_request_going_out_is_reported_once(
         await up.read()
         await up.close()
     assert seen == [protocol == "vllm"]
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+async def test_no_decode_request_goes_to_a_node_this_master_lost(
+    engines: tuple[Engines, str], protocol: str
+) -> None:
+    """Asked just before D's request would go out (after the prefill under vLLM's protocol): a node
+    whose stream this master lost meanwhile gets none, and the error lets another pair serve it."""
+    eng, base = engines
+    eng.prefill_answer = {"kv_transfer_params": {"remote_host": "127.0.0.1", "remote_port": 1}}
+    asked: list[bool] = []
+
+    def may_send() -> bool:
+        asked.append(eng.prefill_answered.is_set())
+        return False
+
+    async with _pool() as pool:
+        d = make_dispatch(protocol, pool)
+        with pytest.raises(EngineError) as err:
+            await d.open(
+                "/v1/completions", {"prompt": "hi"}, Node("p", base + "/p", 9), Node("d", base + "/d"), {},
+                None, None, may_send,
+            )  # fmt: skip
+    assert err.value.kind == "lost" and err.value.status == 503 and err.value.node == "d"
+    assert not eng.decode_started.is_set()
+    assert asked == [protocol == "vllm"]  # vLLM asks once P has answered; SGLang before either
