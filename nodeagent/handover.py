@@ -47,13 +47,12 @@ SGLang's protocol right after the grant, with vLLM's after the prefill: ``Admiss
 A sample is taken ``START_SEEN_S`` after the Acks that open its bracket came in, so that what a master
 sent before its Ack is in the engine's queues by then.
 
-Known gaps. Masters of an earlier release send no ``kept_slots``; their acked counts stand in as
+Known gap. Masters of an earlier release send no ``kept_slots``; their acked counts stand in as
 before, so with them the stale-Ack case above remains (pinned by the ``known_gap`` tests); they hold a
 lease until a slow client has its answer, and count it from its grant, while it may still be in its
-prefill and unknown to the decode engine (under vLLM's protocol). And under vLLM's protocol a cut-off
-master still sends a lease's decode request once its prefill is over, to a node whose stream it lost:
-no sample sees that lease coming (the protocol model finds it in about 1 run in 100 with a 1 s
-prefill); the master would have to drop or re-place such leases once it notices the loss.
+prefill and unknown to the decode engine (under vLLM's protocol), and such a master still sends a
+lease's decode request after its prefill to a node whose stream it lost meanwhile, which no sample can
+see coming (this release's masters refuse to: ``pdmaster.pipeline._still_held``).
 """
 
 from __future__ import annotations
