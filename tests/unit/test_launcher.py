@@ -143,8 +143,11 @@ def test_start_rejects_bad_arguments(proc_group: ProcessGroup) -> None:
 
 DRIVER = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
     from pdcoord.dev.launcher import ProcessGroup
+    # As an interactive launcher has it, whatever this test runs under (a shell runs a background
+    # job with SIGINT ignored, and an ignored signal is inherited).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     group = ProcessGroup(sys.argv[1])
     child = group.start("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"])
     print(child.pid, flush=True)
