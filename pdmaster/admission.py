@@ -486,9 +486,8 @@ class AdmissionCore:
         # Slots of running leases whose decode end this master may not see in time (end_unseen):
         # not counted in an Ack's kept_slots.
         self._unseen_on: dict[str, int] = {}
-        # Slots whose decode request went out, per node (only grows), and of those the ones still
-        # held and seen: an Ack's kept_slots counts from these (``in_decode_on``, ``sent_on``).
-        self._sent_on: dict[str, int] = {}
+        # Slots whose decode request went out and that are still held and seen, per node: an Ack's
+        # kept_slots counts from these (``in_decode_on``).
         self._in_decode: dict[str, int] = {}
         # Per node: Acks built so far (kept_since), and the slots in decode at the last of them that
         # still are: an Ack's kept_slots, exact whatever turned over in between.
@@ -569,10 +568,6 @@ class AdmissionCore:
         from before :meth:`decode_sent`; the protocol model's earlier-release masters use it)."""
         return self._active.get(node, 0) - self._unseen_on.get(node, 0)
 
-    def sent_on(self, node: str) -> int:
-        """Slots whose decode request went out to ``node`` since this core started (only grows)."""
-        return self._sent_on.get(node, 0)
-
     def in_decode_on(self, node: str) -> int:
         """Slots of the leases on ``node`` that the engine surely holds and whose end the master sees:
         their decode request went out (:meth:`decode_sent`), they are not released, and not marked
@@ -586,13 +581,13 @@ class AdmissionCore:
             return
         t.sent = True
         t.sent_gen = self._ack_gen.get(t.node, 0)
-        self._sent_on[t.node] = self._sent_on.get(t.node, 0) + t.slots
         if not t.unseen:
             self._in_decode[t.node] = self._in_decode.get(t.node, 0) + t.slots
 
     def kept_since(self, node: str, gen: int | None) -> tuple[int, int]:
         """For an Ack on ``node``: the slots in decode there at the previous Ack (number ``gen``) that
-        still are, and this Ack's number. 0 when ``gen`` is None (a stream's first Ack) or is not the
+        still are (so never more than :meth:`in_decode_on`, nor than the active slots), and this Ack's
+        number. 0 when ``gen`` is None (a stream's first Ack) or is not the
         latest (another stream's Ack came in between)."""
         latest = self._ack_gen.get(node, 0)
         kept = self._old.get(node, 0) if gen is not None and gen == latest else 0

@@ -72,8 +72,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
             draining=self.lifecycle.draining,
         )
         if self.kept is not None:
-            kept, mark = self.kept(node_id, mark)
-            ack.kept_slots = min(kept, active)
+            ack.kept_slots, mark = self.kept(node_id, mark)
         return pb.MasterMessage(ack=ack), mark
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: str, message: str) -> None:

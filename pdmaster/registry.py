@@ -135,11 +135,11 @@ def split_changes(changes: ShareChanges) -> tuple[dict[str, int], dict[str, int]
 
 
 def kept_slots(active: int, granted: int, mark: int | None) -> int:
-    """An Ack's kept_slots: of the ``active`` slots a master has in a node's engine (those whose
-    decode request went out and whose end it sees: ``AdmissionCore.in_decode_on``), those it had
-    there at its previous Ack on the stream, when its count of slots sent there stood at ``mark`` (it
-    is ``granted`` now: ``AdmissionCore.sent_on``). At least the ones not sent since; 0 without a
-    previous Ack."""
+    """An Ack's kept_slots as masters of the previous release counted it (the protocol model's
+    earlier-release masters; this release counts exactly: ``AdmissionCore.kept_since``): of the
+    ``active`` slots a master runs on a node, those it held at its previous Ack on the stream, when
+    its count of slots granted there stood at ``mark`` (it is ``granted`` now). At least the ones not
+    granted since; 0 without a previous Ack."""
     return 0 if mark is None else max(0, active - (granted - mark))
 
 

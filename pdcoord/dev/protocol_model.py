@@ -826,7 +826,6 @@ class ProtocolSim:
             # As CoordinationService._ack: the leases in decode at both Acks (their decode request
             # went out, their end in sight).
             kept, s.kept_mark = m.core.kept_since(s.node, s.kept_mark)
-            kept = min(kept, active)
         elif self.cfg.kept_acks:
             # As the previous release: the leases held now (only those whose end it sees, as of
             # end_unseen) less the slots granted since the previous Ack.
