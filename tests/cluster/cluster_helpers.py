@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -169,3 +171,26 @@ def churn_masters(
             targets.add_when_ready(mid)
         log.append(f"{time.monotonic() - start:5.1f}s {action} {mid}")
     return log
+
+
+def post_unread(
+    port: int, path: str, body: object, *, http_version: str = "1.1", close: bool = True, timeout: float = 30
+) -> socket.socket:
+    """POST ``body`` (JSON) to 127.0.0.1:``port`` from a socket whose small receive buffer (set before
+    connect, so no autotuning) fills at once: a client that reads nothing of its answer until the test
+    says so. The caller closes it."""
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/{http_version}\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n"
+    )
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(head.encode() + payload)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

@@ -13,7 +13,6 @@ import json
 import os
 import random
 import signal
-import socket
 import threading
 import time
 from typing import Any
@@ -29,6 +28,7 @@ from tests.cluster.cluster_helpers import (
     Targets,
     churn_masters,
     cluster_load,
+    post_unread,
     ready,
     summarize,
     wait_no_leases,
@@ -363,17 +363,9 @@ def test_a_stalled_client_s_lease_stops_counting_once_its_engine_finished(cluste
     c.wait_for(lambda: c.full_capacity_held(["m1"], {"p1": 4, "d1": 4}), timeout=30)
     m1, d1 = c.masters["m1"], c.engines["d1"].url
     tokens = 1500  # /generate repeats the text so far in every event: about 8 MB in all
-    body = json.dumps({"text": "x", "sampling_params": {"max_new_tokens": tokens}, "stream": True})
-    head = (
-        f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{m1.http_port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    )
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)  # before connect: no autotuning
-    sock.settimeout(60)
+    body = {"text": "x", "sampling_params": {"max_new_tokens": tokens}, "stream": True}
+    sock = post_unread(m1.http_port, "/generate", body, timeout=60)
     try:
-        sock.connect(("127.0.0.1", m1.http_port))
-        sock.sendall(head.encode() + body.encode())
 
         def engine_done() -> bool:
             m = scrape_metrics(d1)

@@ -6,7 +6,6 @@ import asyncio
 import json
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,8 @@ import aiohttp
 import openai
 import pytest
 from hypothesis import strategies as st
+
+from tests.cluster.cluster_helpers import post_unread
 
 READY_TIMEOUT_S = 20.0
 
@@ -507,17 +508,9 @@ async def test_stalled_client_does_not_hold_decode_slot(launch: Launch, http_ver
     HTTP/1.1, until-close for HTTP/1.0)."""
     (d,) = launch(decode_flags(2, "--decode-base-ms", "1", "--decode-per-seq-ms", "0"))
     tokens = 1500  # /generate repeats the whole text in every event: ~8 MB, far over the socket buffers
-    payload = json.dumps({"text": "x", "sampling_params": {"max_new_tokens": tokens}, "stream": True})
-    head = (
-        f"POST /generate HTTP/{http_version}\r\nHost: 127.0.0.1:{d.port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-    )
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)  # before connect: no autotuning
-    sock.settimeout(30)
+    body = {"text": "x", "sampling_params": {"max_new_tokens": tokens}, "stream": True}
+    sock = post_unread(d.port, "/generate", body, http_version=http_version)
     try:
-        sock.connect(("127.0.0.1", d.port))
-        sock.sendall(head.encode() + payload.encode())
         async with aiohttp.ClientSession() as s:
             deadline = time.monotonic() + 30.0
             while True:
@@ -562,17 +555,9 @@ async def test_stalled_client_going_away_cancels_generation(launch: Launch) -> N
     """A client that never reads and then disconnects still stops its generation and counts as
     cancelled, although pdsim no longer waits on its socket between tokens."""
     (d,) = launch(decode_flags(1, "--decode-base-ms", "2"))
-    payload = json.dumps({"prompt": "x", "max_tokens": 30000, "stream": True})
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{d.port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
-    )
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
-    sock.settimeout(30)
+    body = {"prompt": "x", "max_tokens": 30000, "stream": True}
+    sock = post_unread(d.port, "/v1/completions", body, close=False)
     try:
-        sock.connect(("127.0.0.1", d.port))
-        sock.sendall(head.encode() + payload.encode())
         async with aiohttp.ClientSession() as s:
             deadline = time.monotonic() + 30.0
             while (m := await scrape(s, d))["pdsim_tokens_total"] < 100:
