@@ -78,20 +78,70 @@ def ensure_sglang_router() -> tuple[str | None, str | None]:
     return str(py), None
 
 
+# A tokenizer for the served model, found in the router's working directory. sglang-router loads
+# one at start-up and, finding no local folder named after the model, would try to download it.
+# Word-level, two entries: pdsim's output is " tok<k>", and the router only needs to load it.
+_TOKENIZER_JSON = {
+    "version": "1.0",
+    "truncation": None,
+    "padding": None,
+    "added_tokens": [
+        {"id": 0, "content": "[UNK]", "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True},
+    ],
+    "normalizer": None,
+    "pre_tokenizer": {"type": "Whitespace"},
+    "post_processor": None,
+    "decoder": None,
+    "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "tok": 1}, "unk_token": "[UNK]"},
+}  # fmt: skip
+
+
+def sglang_router_home(model: str = "pdsim-model") -> Path:
+    """A working directory for sglang-router holding ``<model>/tokenizer.json`` (pdsim's served
+    model is ``pdsim-model`` unless told otherwise), so that it never reaches for the network."""
+    home = Path(tempfile.gettempdir()) / "pdcoord-sglang-router-home"
+    folder = home / model
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps(_TOKENIZER_JSON))
+    return home
+
+
+def sglang_router_env() -> dict[str, str]:
+    # Belt and braces beside the local tokenizer: no hub look-ups from anything it loads.
+    return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
 def start_sglang_router(
-    group: ProcessGroup, py: str, prefill: Any, decode: Any, extra_decode: Sequence[Any] = ()
+    group: ProcessGroup,
+    py: str,
+    prefill: Any,
+    decode: Any,
+    extra_decode: Sequence[Any] = (),
+    *,
+    extra_prefill: Sequence[Any] = (),
+    args: Sequence[str] = (),
+    name: str = "sglang-router",
 ) -> tuple[str | None, int | None, str | None]:
     port = free_port()
     more = [arg for d in extra_decode for arg in ("--decode", d.url)]
+    more_p = [arg for p in extra_prefill for arg in ("--prefill", p.url, str(p.bootstrap_port))]
     argv = [
         py, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-        "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url, *more,
+        "--prefill", prefill.url, str(prefill.bootstrap_port), *more_p, "--decode", decode.url, *more,
         "--host", "127.0.0.1", "--port", str(port),
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-        "--log-level", "warn",
+        "--log-level", "warn", *args,
     ]  # fmt: skip
     try:
-        proc = group.start("sglang-router", argv, ready=f"http://127.0.0.1:{port}/health", ready_timeout=60)
+        proc = group.start(
+            name,
+            argv,
+            ready=f"http://127.0.0.1:{port}/health",
+            ready_timeout=60,
+            cwd=sglang_router_home(),
+            env=sglang_router_env(),
+        )
     except Exception as exc:
         return None, None, f"{type(exc).__name__}: {exc}"[-3000:]
     return f"http://127.0.0.1:{port}", proc.pid, None
