@@ -18,7 +18,8 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends tini \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/pdcoord
-COPY pyproject.toml README.md /src/
+# LICENSE in /src: the installed package's metadata carries it (setuptools' default license-files).
+COPY pyproject.toml README.md LICENSE /src/
 COPY pdcoord /src/pdcoord
 COPY pdmaster /src/pdmaster
 COPY nodeagent /src/nodeagent
@@ -44,6 +45,7 @@ RUN groupadd --gid 10001 pdcoord \
         --shell /usr/sbin/nologin pdcoord
 COPY --from=build /usr/bin/tini-static /usr/bin/tini
 COPY --from=build /opt/pdcoord /opt/pdcoord
+COPY LICENSE /usr/share/doc/pdcoord/LICENSE
 ENV PATH=/opt/pdcoord/bin:$PATH
 USER 10001:10001
 WORKDIR /tmp
