@@ -102,6 +102,7 @@ UNSATISFIABLE = "unsatisfiable"
 NO_CAPACITY = "no_capacity"
 CANNOT_FIT_NOW = "cannot_fit_now"
 INVALID = "invalid"
+EXPECTED_WAIT = "expected_wait"  # refused at once: its expected wait exceeds its class's target
 OUTCOMES: tuple[str, ...] = (
     GRANTED,
     QUEUE_FULL,
@@ -112,7 +113,11 @@ OUTCOMES: tuple[str, ...] = (
     NO_CAPACITY,
     CANNOT_FIT_NOW,
     INVALID,
+    EXPECTED_WAIT,
 )
+
+# Releases seen before the completion rate is trusted to refuse anyone (see AdmissionPolicy.target_wait_s).
+RATE_MIN_RELEASES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +138,14 @@ def _default_waits() -> dict[RequestClass, float]:
 
 @dataclass(frozen=True)
 class AdmissionPolicy:
-    """Tunables. ``queue_waves``/``backfill_waves`` are multiples of the current capacity in slots."""
+    """Tunables. ``queue_waves``/``backfill_waves`` are multiples of the current capacity in slots.
+
+    ``target_wait_s`` (None, or a class's 0: off) is an SLO on the wait: an arrival whose expected wait
+    (:meth:`AdmissionCore.expected_wait`) exceeds its class's target is refused at once
+    (``expected_wait``) instead of holding its client until it times out, and the class's wait
+    timeout is capped by the target. ``rate_window_s`` is the time constant of the completion rate
+    the estimate divides by.
+    """
 
     weights: Mapping[RequestClass, float] = field(default_factory=_default_weights)
     max_wait_s: Mapping[RequestClass, float] = field(default_factory=_default_waits)
@@ -142,6 +154,8 @@ class AdmissionPolicy:
     bypass: bool = False
     retry_after_min_s: float = 1.0
     retry_after_max_s: float = 30.0
+    target_wait_s: Mapping[RequestClass, float] | None = None
+    rate_window_s: float = 10.0
 
     def __post_init__(self) -> None:
         for c in CLASS_ORDER:
@@ -149,6 +163,10 @@ class AdmissionPolicy:
                 raise ValueError(f"weights[{c.name}] must be > 0")
             if c not in self.max_wait_s or not self.max_wait_s[c] > 0:
                 raise ValueError(f"max_wait_s[{c.name}] must be > 0")
+            if self.target_wait_s is not None and not self.target_wait_s.get(c, 0) >= 0:
+                raise ValueError(f"target_wait_s[{c.name}] must be >= 0 (0: off)")
+        if not self.rate_window_s > 0:
+            raise ValueError("rate_window_s must be > 0")
         if not self.queue_waves >= 0 or not self.backfill_waves >= 0:
             raise ValueError("queue_waves and backfill_waves must be >= 0")
         if not 0 < self.retry_after_min_s <= self.retry_after_max_s:
@@ -456,6 +474,10 @@ def _check_shares(shares: Mapping[str, int]) -> None:
             raise ValueError(f"share of {node!r} must be a non-negative integer, got {s!r}")
 
 
+def _rounded(x: float | None) -> float | None:
+    return None if x is None or x == math.inf else round(x, 3)
+
+
 def _uncount(counts: dict[int, int], value: int) -> None:
     n = counts[value] - 1
     if n:
@@ -472,7 +494,11 @@ class AdmissionCore:
         self._clock = clock
         self._bypass = self.policy.bypass
         self._weights = {c: float(self.policy.weights[c]) for c in CLASS_ORDER}
-        self._waits = {c: float(self.policy.max_wait_s[c]) for c in CLASS_ORDER}
+        tw = self.policy.target_wait_s or {}
+        # inf: no target for the class. A target also caps the class's wait timeout: a waiter that
+        # has already missed it holds a client for nothing.
+        self._targets = {c: float(tw.get(c, 0)) or math.inf for c in CLASS_ORDER}
+        self._waits = {c: min(float(self.policy.max_wait_s[c]), self._targets[c]) for c in CLASS_ORDER}
         # nodes
         self._shares: dict[str, int] = {}
         self._full: dict[str, int] = {}
@@ -527,6 +553,13 @@ class AdmissionCore:
             c: dict.fromkeys(OUTCOMES, 0) for c in CLASS_ORDER
         }
         self._hold_ewma: float | None = None
+        # Completion rate: slots released, exponentially decayed with time constant _rate_tau (a
+        # count, not a list: O(1) per release and per estimate).
+        self._rate_tau = float(self.policy.rate_window_s)
+        self._done_sum = 0.0  # decayed slots released, as of _done_at
+        self._done_at = 0.0
+        self._done_first = 0.0  # when the first release was seen (for the start-up correction)
+        self._done_n = 0  # releases seen
         self._changes: list[Ticket] = []
         self._now = 0.0
         self.last_changes: list[Ticket] = []
@@ -629,6 +662,59 @@ class AdmissionCore:
             return self._hold_until
         return d
 
+    def wait_limit(self, c: RequestClass) -> float:
+        """How long a first-time waiter of class ``c`` may wait: its class timeout, capped by the
+        class's target when one is set."""
+        return self._waits[c]
+
+    def completion_rate(self, now: float | None = None) -> float | None:
+        """Slots released per second, lately; None before :data:`RATE_MIN_RELEASES` releases.
+
+        The larger of two estimates, so that a stale one never refuses anyone: the released slots
+        decayed with time constant ``rate_window_s`` (corrected for a history shorter than that), and
+        Little's law on the leases running now (active slots ÷ the mean hold time), which sees the
+        turnover of a fleet that has just filled up before many of its leases have ended.
+        """
+        if self._done_n < RATE_MIN_RELEASES:
+            return None
+        if now is None:
+            now = self._clock()
+        tau = self._rate_tau
+        span = 1.0 - math.exp(-(now - self._done_first) / tau)
+        if span <= 0.0:
+            return math.inf
+        rate = self._done_sum * math.exp(-(now - self._done_at) / tau) / (tau * span)
+        if self._hold_ewma:
+            rate = max(rate, self._active_total / self._hold_ewma)
+        return rate
+
+    def expected_wait(self, c: RequestClass, slots: int = 1, now: float | None = None) -> float | None:
+        """Seconds an arrival of class ``c`` needing ``slots`` would wait; None: no estimate yet.
+
+        The slots served before it, as DRR would serve them: every queued slot of its own class (FIFO,
+        resubmissions included), and of each other class k the share DRR gives k while the
+        arrival's class gets through those and the arrival's own slots — ``(Q_c + slots) * w_k / w_c``,
+        at most what k has queued (a lower class gets its share too: DRR serves it in proportion, not
+        after). Plus its own slots, minus the slots free now, over :meth:`completion_rate`. Arrivals
+        after it (a higher class may still pass it) and session or gang blocking are left out: the
+        estimate errs towards admitting. O(1): running totals per class.
+        """
+        qs = self._qlist
+        w = self._weights
+        own = self._queues[c].slots
+        turn = own + slots
+        ahead = float(own)
+        for q in qs:
+            if q.cls is not c and q.slots:
+                ahead += min(q.slots, turn * w[q.cls] / w[c])
+        need = ahead + slots - max(0, self._capacity - self._active_total)
+        if need <= 0:
+            return 0.0
+        rate = self.completion_rate(now)
+        if rate is None or rate <= 0.0:
+            return None
+        return need / rate
+
     def snapshot(self) -> dict[str, Any]:
         nodes = sorted(set(self._shares) | {n for n, a in self._active.items() if a})
         g = self._gang
@@ -647,6 +733,7 @@ class AdmissionCore:
             "queued_retries": len(self._retries),
             "placement_held_s": round(max(0.0, self._hold_until - self._clock()), 3),
             "pauses": self.pauses,
+            "completion_rate_slots_per_s": _rounded(self.completion_rate()),
             "classes": {
                 c.value: {
                     "queued_requests": self._queues[c].n,
@@ -655,6 +742,9 @@ class AdmissionCore:
                     "deficit": self._deficit[c],
                     "weight": self._weights[c],
                     "max_wait_s": self._waits[c],
+                    "target_wait_s": None if self._targets[c] == math.inf else self._targets[c],
+                    # what a one-slot arrival of the class would be told now (None: no estimate)
+                    "expected_wait_s": _rounded(self.expected_wait(c)),
                 }
                 for c in CLASS_ORDER
             },
@@ -840,6 +930,9 @@ class AdmissionCore:
         if resubmit:
             return self._resubmit(t, now + self._waits[rc] if deadline is None else deadline)
         s = self._sessions.get(session_id) if session_id is not None else None
+        target = self._targets[rc]
+        if target != math.inf and (wait := self._over_target(t, s, target)) is not None:
+            return self._refuse(t, EXPECTED_WAIT, self._retry_hint(wait))
         overflow = self._queued_slots + t.slots - self._bound
         if overflow > 0:
             free, node = self._top_free()
@@ -871,6 +964,21 @@ class AdmissionCore:
         self._pump()
         self._end()
         return t
+
+    def _over_target(self, t: Ticket, s: _Session | None, target: float) -> float | None:
+        """The arrival's expected wait when it exceeds ``target`` and it could not run right now."""
+        if s is None and not self._reserved:
+            free, node = self._top_free()
+            if node is not None and free >= t.slots:
+                # After every call nothing queued fits the free slots (or a gang is being backfilled),
+                # so this arrival runs at once: never refuse it.
+                return None
+        wait = self.expected_wait(t.request_class, t.slots, self._now)
+        return wait if wait is not None and wait > target else None
+
+    def _retry_hint(self, wait: float) -> Reason:
+        p = self.policy
+        return Reason(EXPECTED_WAIT, min(p.retry_after_max_s, max(p.retry_after_min_s, wait)))
 
     def _resubmit(self, t: Ticket, deadline: float) -> Ticket:
         t.deadline = deadline  # kept even when granted at once, so a further retry carries it on
@@ -921,6 +1029,13 @@ class AdmissionCore:
         if t.granted_at is not None:
             held = now - t.granted_at
             self._hold_ewma = held if self._hold_ewma is None else 0.9 * self._hold_ewma + 0.1 * held
+        if self._done_n:
+            self._done_sum = self._done_sum * math.exp(-(now - self._done_at) / self._rate_tau) + t.slots
+        else:
+            self._done_sum = t.slots
+            self._done_first = now
+        self._done_at = now
+        self._done_n += 1
         node = t.node
         if node is not None:
             self._active[node] -= t.slots
@@ -1001,9 +1116,9 @@ class AdmissionCore:
         retry = None if code in (UNSATISFIABLE, INVALID) else self._retry_after()
         return Reason(code, retry)
 
-    def _refuse(self, t: Ticket, code: str) -> Ticket:
+    def _refuse(self, t: Ticket, code: str, reason: Reason | None = None) -> Ticket:
         t.state = _REJECTED
-        t.reason = self._reason(code)
+        t.reason = reason or self._reason(code)
         t.ended_at = t.enqueued_at
         self._outcomes[t.request_class][code] += 1
         self._changes.append(t)

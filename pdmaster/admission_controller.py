@@ -23,6 +23,7 @@ from pdmaster.admission import (
     CANNOT_FIT_NOW,
     CLASS_ORDER,
     EVICTED,
+    EXPECTED_WAIT,
     GRANTED,
     INVALID,
     NO_CAPACITY,
@@ -57,6 +58,7 @@ MESSAGES: dict[str, str] = {
     NO_CAPACITY: "no decode capacity available",
     CANNOT_FIT_NOW: "request needs more decode slots than this master currently holds on any decode node",
     INVALID: "invalid slot count",
+    EXPECTED_WAIT: "expected wait for decode capacity exceeds the target wait; retry after Retry-After",
 }
 HTTP_STATUS: dict[str, int] = {UNSATISFIABLE: 400, INVALID: 400, NO_CAPACITY: 503}
 
@@ -120,7 +122,7 @@ class Lease:
         t = self.ticket
         if t.deadline != math.inf:
             return t.deadline
-        return t.enqueued_at + self._controller.policy.max_wait_s[t.request_class]  # granted at once
+        return t.enqueued_at + self._controller.core.wait_limit(t.request_class)  # granted at once
 
     def release(self) -> None:
         self._controller._release(self.ticket)
@@ -413,6 +415,22 @@ def _weights(text: str) -> dict[RequestClass, float]:
     return _triple(text, float)
 
 
+def _targets(text: str) -> dict[RequestClass, float]:
+    """One number for every class, or CONTINUATION:PROBABLE:COLD; 0 turns a class's target off."""
+    parts = text.replace(",", ":").split(":")
+    if len(parts) == 1:
+        parts *= 3
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"expected SECONDS or CONTINUATION:PROBABLE:COLD, got {text!r}")
+    try:
+        vals = [float(p) for p in parts]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if any(not (0 <= v < math.inf) for v in vals):
+        raise argparse.ArgumentTypeError(f"targets must be finite and >= 0 (0: off), got {text!r}")
+    return dict(zip(CLASS_ORDER, vals, strict=True))
+
+
 def _non_negative_float(text: str) -> float:
     v = float(text)
     if not v >= 0:
@@ -437,6 +455,16 @@ def add_admission_flags(parser: argparse.ArgumentParser) -> None:
         "--admission-max-wait", type=_weights, default="30:15:5", help="wait timeouts CONT:PROB:COLD, seconds"
     )
     g.add_argument(
+        "--admission-target-wait",
+        type=_targets,
+        default=None,
+        metavar="SECONDS",
+        help="SLO on the admission wait (default off; 0 turns a class off): an arrival whose expected "
+        "wait (the slots DRR serves before it, less the free ones, over the recent completion rate) "
+        "exceeds it gets 429 expected_wait at once with Retry-After ≈ that wait; also caps "
+        "--admission-max-wait",
+    )
+    g.add_argument(
         "--admission-queue-waves",
         type=_non_negative_float,
         default=1.0,
@@ -455,7 +483,9 @@ def policy_from_args(ns: argparse.Namespace) -> AdmissionPolicy:
     def triple(v: Any) -> dict[RequestClass, float]:
         return _weights(v) if isinstance(v, str) else dict(v)
 
+    target = getattr(ns, "admission_target_wait", None)
     return AdmissionPolicy(
+        target_wait_s=_targets(target) if isinstance(target, str) else target,
         weights=triple(ns.admission_weights),
         max_wait_s=triple(ns.admission_max_wait),
         queue_waves=ns.admission_queue_waves,

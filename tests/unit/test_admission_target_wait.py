@@ -1,0 +1,273 @@
+"""Early rejection against a target wait (``--admission-target-wait``): core and adapter."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pdcoord.config import EnvArgumentParser
+from pdmaster.admission import (
+    EXPECTED_WAIT,
+    OUTCOMES,
+    RATE_MIN_RELEASES,
+    AdmissionCore,
+    AdmissionPolicy,
+    RequestClass,
+    Ticket,
+    TicketState,
+)
+from pdmaster.admission_controller import (
+    AdmissionController,
+    AdmissionRejected,
+    add_admission_flags,
+    policy_from_args,
+)
+
+CONT = RequestClass.CONTINUATION
+PROB = RequestClass.PROBABLE_CACHE_HIT
+COLD = RequestClass.COLD
+Q, G, R = TicketState.QUEUED, TicketState.GRANTED, TicketState.REJECTED
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def targets(cont: float, prob: float, cold: float) -> dict[RequestClass, float]:
+    return {CONT: cont, PROB: prob, COLD: cold}
+
+
+def make(clock: Clock, target: float | dict[RequestClass, float] | None, capacity: int = 2) -> AdmissionCore:
+    tw = targets(target, target, target) if isinstance(target, (int, float)) else target
+    core = AdmissionCore(AdmissionPolicy(target_wait_s=tw, queue_waves=100), clock=clock)
+    core.set_shares({"d1": capacity})
+    return core
+
+
+def warm(core: AdmissionCore, clock: Clock, hold: float) -> None:
+    """History: RATE_MIN_RELEASES one-slot leases, one after the other, each held ``hold`` s."""
+    for _ in range(RATE_MIN_RELEASES):
+        t = core.submit(1, COLD)
+        assert t.state is G
+        clock.now += hold
+        core.release(t)
+
+
+def fill(core: AdmissionCore) -> list[Ticket]:
+    """Hold every slot."""
+    held = [core.submit(1, COLD) for _ in range(core.capacity)]
+    assert all(t.state is G for t in held)
+    return held
+
+
+def test_refused_at_once_when_the_queue_ahead_is_long_and_completions_slow() -> None:
+    clock = Clock()
+    core = make(clock, 5.0)
+    warm(core, clock, hold=10.0)
+    fill(core)
+    # two slots held 10 s each: 0.2 slots/s
+    assert core.completion_rate() == pytest.approx(0.2, rel=0.01)
+    assert core.expected_wait(COLD) == pytest.approx(5.0, rel=0.01)  # its own slot: 1 / 0.2
+    first = core.submit(1, COLD)  # 5 s expected: not above the target
+    assert first.state is Q
+    t = core.submit(1, COLD)  # one slot ahead of it: 10 s
+    assert t.state is R and t.reason is not None and t.reason.code == EXPECTED_WAIT
+    assert t.reason.retry_after_s == pytest.approx(10.0, rel=0.01)
+    assert t.wait_s == 0.0  # refused on arrival, not after a wait
+    assert core.queued_requests == 1  # nothing joined, nothing was evicted for it
+    snap = core.snapshot()
+    assert snap["outcomes"]["cold"][EXPECTED_WAIT] == 1
+    assert snap["classes"]["cold"]["target_wait_s"] == 5.0
+    assert snap["classes"]["cold"]["expected_wait_s"] == pytest.approx(10.0, rel=0.01)
+    assert snap["completion_rate_slots_per_s"] == pytest.approx(0.2, rel=0.01)
+
+
+def test_admitted_when_completions_are_fast() -> None:
+    clock = Clock()
+    core = make(clock, 5.0)
+    warm(core, clock, hold=0.1)
+    fill(core)
+    tickets = [core.submit(1, COLD) for _ in range(50)]  # 50 ahead at 20 slots/s: 2.5 s
+    assert all(t.state is Q for t in tickets)
+    assert core.expected_wait(COLD) == pytest.approx(51 / 20, rel=0.01)
+
+
+def test_retry_after_is_the_expected_wait_clamped_to_the_policy() -> None:
+    clock = Clock()
+    core = make(clock, 0.2)
+    warm(core, clock, hold=1.0)
+    fill(core)  # 2 slots/s: the next slot is 0.5 s away
+    t = core.submit(1, COLD)
+    assert t.state is R and t.reason is not None
+    assert t.reason.retry_after_s == 1.0  # retry_after_min_s
+    clock = Clock()
+    slow = make(clock, 1.0)
+    warm(slow, clock, hold=100.0)
+    fill(slow)
+    clock.now += 50.0  # the released slots have decayed away: 2 slots held 100 s, 0.02 slots/s
+    t = slow.submit(1, COLD)  # 50 s expected
+    assert t.state is R and t.reason is not None and t.reason.retry_after_s == 30.0  # retry_after_max_s
+
+
+def test_continuation_not_refused_while_only_cold_is_queued_ahead() -> None:
+    clock = Clock()
+    core = make(clock, targets(5.0, 5.0, 0))  # COLD has no target: it queues
+    warm(core, clock, hold=5.0)
+    fill(core)  # 0.4 slots/s
+    cold = [core.submit(1, COLD) for _ in range(20)]
+    assert all(t.state is Q for t in cold)
+    # DRR serves COLD 1 slot per 8 of CONTINUATION: 1.125 slots before a continuation is granted
+    assert core.expected_wait(CONT) == pytest.approx(1.125 / 0.4, rel=0.01)
+    assert core.expected_wait(PROB) == pytest.approx((1 + 1 / 3) / 0.4, rel=0.01)
+    assert core.expected_wait(COLD) == pytest.approx(21 / 0.4, rel=0.01)
+    assert core.submit(1, PROB).state is Q
+    # behind one PROB: PROB's share 3/8 and COLD's 1/8 of its one slot
+    assert core.expected_wait(CONT) == pytest.approx(1.5 / 0.4, rel=0.01)
+    assert core.submit(1, CONT, "s1").state is Q
+    # a second continuation waits for its own class ahead too, and the others' larger share: 7.5 s
+    assert core.submit(1, CONT, "s2").state is R
+    assert core.snapshot()["outcomes"]["continuation"][EXPECTED_WAIT] == 1
+
+
+def test_no_rejection_without_history() -> None:
+    clock = Clock()
+    core = make(clock, 0.001, capacity=1)
+    for _ in range(RATE_MIN_RELEASES - 1):
+        t = core.submit(1, COLD)
+        clock.now += 100.0
+        core.release(t)
+    assert core.completion_rate() is None
+    fill(core)
+    tickets = [core.submit(1, COLD) for _ in range(20)]
+    assert all(t.state is Q for t in tickets)
+    assert core.expected_wait(COLD) is None
+    assert core.snapshot()["classes"]["cold"]["expected_wait_s"] is None
+
+
+def test_never_refused_when_it_can_run_now() -> None:
+    clock = Clock()
+    core = make(clock, 0.001, capacity=4)
+    warm(core, clock, hold=100.0)  # slow: anything that has to wait is refused
+    assert all(core.submit(1, COLD).state is G for _ in range(4))  # free slots, nothing queued
+    assert core.submit(1, COLD).state is R
+
+
+def test_a_gang_being_backfilled_does_not_make_a_fitting_arrival_refused() -> None:
+    clock = Clock()
+    core = make(clock, targets(1000.0, 1000.0, 0.001), capacity=4)
+    warm(core, clock, hold=100.0)
+    assert core.submit(1, COLD).state is G and core.submit(1, COLD).state is G
+    g = core.submit(4, CONT)  # waits for the whole node; the 2 free slots may be backfilled
+    assert g.state is Q
+    assert core.submit(1, COLD).state is G
+
+
+def test_zero_turns_a_class_off_and_default_is_off() -> None:
+    clock = Clock()
+    core = make(clock, targets(0, 0, 0))
+    warm(core, clock, hold=100.0)
+    fill(core)
+    assert all(core.submit(1, c).state is Q for c in (CONT, PROB, COLD))
+    off = make(Clock(), None)
+    assert off.snapshot()["classes"]["cold"]["target_wait_s"] is None
+    assert off.wait_limit(COLD) == 5.0
+
+
+def test_target_caps_the_class_timeout() -> None:
+    clock = Clock()
+    core = make(clock, targets(0, 2.0, 60.0))
+    assert [core.wait_limit(c) for c in (CONT, PROB, COLD)] == [30.0, 2.0, 5.0]
+    fill(core)
+    t = core.submit(1, PROB)  # no history: queued
+    assert t.state is Q and t.deadline == clock.now + 2.0
+    clock.now += 2.0
+    core.expire()
+    assert t.state is TicketState.EXPIRED and t.reason is not None and t.reason.code == "timeout"
+    assert core.snapshot()["classes"]["probable_cache_hit"]["max_wait_s"] == 2.0
+
+
+def test_completion_rate_follows_a_steady_stream() -> None:
+    clock = Clock()
+    core = make(clock, None, capacity=100)
+    for _ in range(200):  # a one-slot lease ends every 0.5 s, each held 0.01 s
+        t = core.submit(1, COLD)
+        clock.now += 0.01
+        core.release(t)
+        clock.now += 0.49
+    rate = core.completion_rate()
+    assert rate is not None and 1.6 < rate < 2.4
+    clock.now += 100.0  # long idle: the rate decays (and a stale low rate only refuses when full)
+    rate = core.completion_rate()
+    assert rate is not None and rate < 0.01
+
+
+def test_resubmission_is_never_refused_on_expected_wait() -> None:
+    clock = Clock()
+    core = make(clock, 0.001)
+    warm(core, clock, hold=100.0)
+    fill(core)
+    t = core.submit(1, COLD, avoid=frozenset({"d2"}))
+    assert t.state is Q
+
+
+def test_policy_validation() -> None:
+    with pytest.raises(ValueError):
+        AdmissionPolicy(target_wait_s=targets(-1, 0, 0))
+    with pytest.raises(ValueError):
+        AdmissionPolicy(rate_window_s=0)
+    assert EXPECTED_WAIT in OUTCOMES
+
+
+# ---------------------------------------------------------------------- flag and adapter
+
+
+def parser() -> argparse.ArgumentParser:
+    p = EnvArgumentParser(prog="t", env_prefix="PDMASTER_TEST")
+    add_admission_flags(p)
+    return p
+
+
+def test_flag_takes_one_value_or_one_per_class() -> None:
+    assert policy_from_args(parser().parse_args([])).target_wait_s is None
+    p = policy_from_args(parser().parse_args(["--admission-target-wait", "2.5"]))
+    assert p.target_wait_s == targets(2.5, 2.5, 2.5)
+    p = policy_from_args(parser().parse_args(["--admission-target-wait", "0:5:2"]))
+    assert p.target_wait_s == targets(0, 5, 2)
+    for bad in ("-1", "1:2", "x", "inf"):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["--admission-target-wait", bad])
+
+
+async def test_adapter_refuses_with_429_retry_after_and_counts_the_outcome() -> None:
+    clock = Clock()
+    reg = CollectorRegistry()
+    ctl = AdmissionController(
+        AdmissionPolicy(target_wait_s=targets(4.0, 4.0, 4.0)), clock=clock, registry=reg
+    )
+    ctl.set_shares({"d1": 2})
+    warm(ctl.core, clock, hold=10.0)
+    leases = [await ctl.acquire_lease() for _ in range(2)]
+    with pytest.raises(AdmissionRejected) as exc:
+        await ctl.acquire_lease()  # 1 slot at 0.2 slots/s: 5 s > 4 s
+    assert (exc.value.code, exc.value.http_status) == (EXPECTED_WAIT, 429)
+    assert exc.value.retry_after == pytest.approx(5.0) and exc.value.retry_after_header() in ("5", "6")
+    assert "target" in exc.value.message
+    sample = reg.get_sample_value(
+        "pdcoord_admission_outcomes_total", {"class": "cold", "outcome": EXPECTED_WAIT}
+    )
+    assert sample == 1.0
+    assert ctl.snapshot()["outcomes"]["cold"][EXPECTED_WAIT] == 1
+    for lease in leases:
+        lease.release()
+    assert ctl.core.active == 0
+    # a granted lease's deadline follows the capped timeout
+    lease = await ctl.acquire_lease()
+    assert lease.deadline == clock.now + 4.0
+    lease.release()
+    ctl.close()
