@@ -53,7 +53,9 @@ def build_parser() -> EnvArgumentParser:
     g.add_argument(
         "--advertise-host",
         default=None,
-        help="address agents use to reach this master's gRPC port (default: --grpc-host)",
+        help="address agents and clients use to reach this master, put into its etcd key (default: "
+        "--grpc-host / --http-host; for a wildcard one, the address of this host's default-route "
+        "interface, else its host name's; a master that finds none refuses to start)",
     )
     g.add_argument(
         "--admin-host",

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import signal
+import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -80,6 +83,93 @@ GRPC_SERVER_OPTIONS = grpc_server_options()
 
 class StartupError(Exception):
     """A reason the master cannot start, phrased for the operator."""
+
+
+# -- the addresses this master advertises in etcd ------------------------------------------------------
+# A listener on a wildcard address (the default --grpc-host 0.0.0.0) cannot be advertised as such: an
+# agent on another host would dial its own machine. The master advertises the address of the interface
+# its default route uses instead -- the address other hosts see when this one talks to them, and in a
+# container the pod's address -- and, when there is no default route, what its host name resolves to.
+# Not the host name first: Debian and Ubuntu map it to 127.0.1.1 in /etc/hosts. Loopback and link-local
+# addresses do not count; with none left the master refuses to start, naming --advertise-host.
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
+# Documentation addresses (RFC 5737, RFC 3849): routed nowhere, so the kernel answers a route lookup
+# for them with the default route. A UDP connect only looks the route up; no packet is sent.
+_ROUTE_PROBES: dict[int, str] = {socket.AF_INET: "203.0.113.1", socket.AF_INET6: "2001:db8::1"}
+
+
+def is_wildcard(host: str) -> bool:
+    return host.strip() in WILDCARD_HOSTS
+
+
+def default_route_address(family: int) -> str | None:
+    """The local address of the interface the default route of *family* leaves by, None without one."""
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((_ROUTE_PROBES[family], 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def hostname_address() -> str | None:
+    """What this host's name resolves to (IPv4), None when it does not resolve."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return None
+
+
+def _reachable(address: str | None) -> bool:
+    """An address other hosts can use: not loopback, unspecified or link-local (which needs a zone)."""
+    if not address:
+        return False
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    return not (ip.is_loopback or ip.is_unspecified or ip.is_link_local)
+
+
+def advertised_host(
+    bind_host: str,
+    advertise_host: str | None,
+    flag: str,
+    *,
+    route_address: Callable[[int], str | None],
+    hostname_address: Callable[[], str | None],
+) -> str:
+    """The host to put into etcd for a listener bound to *bind_host* (given with *flag*).
+
+    ``--advertise-host`` wins; a specific bind address is itself; a wildcard one becomes the default
+    route's interface address (IPv6 first for ``::``), else the host name's address. StartupError,
+    naming ``--advertise-host``, when none of them is reachable from another host.
+    """
+    if advertise_host:
+        return advertise_host
+    if not is_wildcard(bind_host):
+        return bind_host
+    families = [socket.AF_INET6, socket.AF_INET] if ":" in bind_host else [socket.AF_INET]
+    tried: list[str] = []
+    for family in families:
+        address = route_address(family)
+        if _reachable(address):
+            return str(address)
+        tried.append(f"default route: {address or 'none'}")
+    address = hostname_address()
+    if _reachable(address):
+        return str(address)
+    tried.append(f"host name: {address or 'does not resolve'}")
+    raise StartupError(
+        f"{flag} {bind_host or '(empty)'} listens on every address, and no address of this host that "
+        f"other hosts can reach was found to advertise in etcd ({'; '.join(tried)}): pass --advertise-host "
+        "with the address agents and clients should use (127.0.0.1 when everything runs on this machine)"
+    )
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 literal in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 class MasterServer:
@@ -253,8 +343,22 @@ class MasterServer:
         sockets = getattr(site._server, "sockets", None) or []
         return int(sockets[0].getsockname()[1]) if sockets else port
 
+    def _advertised(self, bind_host: str, flag: str) -> str:
+        return advertised_host(
+            bind_host,
+            self.config.advertise_host,
+            flag,
+            route_address=default_route_address,
+            hostname_address=hostname_address,
+        )
+
     async def start(self) -> None:
         cfg = self.config
+        # Before anything listens: a master that could not tell others where it is fails at once.
+        advertise = self._advertised(cfg.grpc_host, "--grpc-host")
+        http_advertise = self._advertised(cfg.http_host, "--http-host")
+        admin_host = cfg.admin_host or cfg.http_host
+        admin_advertise = self._advertised(admin_host, "--admin-host") if cfg.separate_admin else ""
         self.grpc_server = grpc.aio.server(options=grpc_server_options(cfg.keepalive, cfg.keepalive_timeout))
         pb_grpc.add_NodeCoordinationServicer_to_server(self.coordination, self.grpc_server)
         address = f"{cfg.grpc_host}:{cfg.grpc_port}"
@@ -271,23 +375,23 @@ class MasterServer:
         self.http_runner = self._runner(self.build_app())
         self.http_port = await self._listen(self.http_runner, cfg.http_host, cfg.http_port, "--http-port")
         if cfg.admin_port is not None:
-            admin_host = cfg.admin_host or cfg.http_host
             self.admin_runner = self._runner(self.build_admin_app())
             self.admin_port = await self._listen(
                 self.admin_runner, admin_host, cfg.admin_port, "--admin-port"
             )
 
-        advertise = cfg.advertise_host or cfg.grpc_host
         self._key_doc = {
             "master_id": self.master_id,
-            "grpc": f"{advertise}:{self.grpc_port}",
-            "http": f"http://{advertise}:{self.http_port}",
+            "grpc": host_port(advertise, self.grpc_port),
+            "http": f"http://{host_port(http_advertise, self.http_port)}",
             "version": __version__,
             "started_at": time.time(),
             # how often this master pings an idle agent stream, and how soon it notices one cut
             "keepalive_s": cfg.keepalive,
             "detect_s": cfg.detect_s,
         }
+        if cfg.separate_admin:  # where /admission and /metrics went (pdcoord status reads them there)
+            self._key_doc["admin"] = f"http://{host_port(admin_advertise, self.admin_port)}"
         key = self.keys.master(self.master_id)
         value = json.dumps(self._key_doc).encode()
         registration = Registration(self.etcd, key, value, ttl=cfg.etcd.lease_ttl)
