@@ -17,8 +17,14 @@ Drivers:
   benchmarks' "direct" baseline).
 * :class:`BackgroundLoad`: a ClosedLoop on its own event loop in a thread, so a test or the demo can
   kill and restart processes synchronously while requests are in flight.
+* :class:`OpenLoop`: open-loop load that looks like production (arrivals do not wait for answers):
+  Poisson or trace arrivals under a rate :class:`~pdcoord.dev.workload.Schedule`, multi-turn synthetic
+  sessions or a Mooncake trace replay (:mod:`pdcoord.dev.workload`), every request a streamed chat
+  completion through a sticky :class:`~pdcoord.dev.workload.Balancer`, one :class:`RequestRecord`
+  each; :func:`summarize` turns them into goodput, attainment and per-class latency.
 * ``python -m pdcoord.dev.loadgen``: the peer benchmarks' load in its own process (so its CPU is not
   the router's), printing ``START``/``END`` around the measured load and then one JSON line.
+  ``python -m pdcoord.dev.loadgen open …`` does the same for the open-loop load.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -37,6 +44,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+from pdcoord.dev.workload import (
+    Arrival,
+    Balancer,
+    Schedule,
+    SyntheticConfig,
+    Target,
+    Turn,
+    load_trace,
+    parse_targets,
+    synthetic_arrivals,
+    trace_arrivals,
+    trace_span,
+)
 
 HANG = -1  # status of a request that did not end within the client's timeout
 CONN_FAILED = 0  # status of a request whose connection failed or broke
@@ -426,6 +447,372 @@ class BackgroundLoad:
             time.sleep(0.05)
 
 
+# ---------------------------------------------------------------------------- open loop
+
+
+@dataclass
+class OpenLoopConfig:
+    """Times are engine seconds: the driver stretches them by ``time_scale`` (engines that run K
+    times slower than the real ones they stand for see the load K times slower too)."""
+
+    duration_s: float = 60.0  # arrivals (and later turns of sessions) start within this window
+    request_timeout_s: float = 120.0  # from the first send to the end; then HANG, connection closed
+    retry_refused: bool = False  # resend a 429/503 once after its Retry-After (1 s without one)
+    time_scale: float = 1.0
+    model: str = "pdsim-model"
+    connection_limit: int = 1024
+    # Ask for the usage chunk: the output token count then comes from the server, not from counting
+    # content chunks (a real engine may put several tokens in one chunk).
+    include_usage: bool = True
+
+
+@dataclass
+class RequestRecord:
+    """One request of an open-loop run. Times are wall-clock seconds (``t_*`` from the run's start);
+    :func:`summarize` divides them by the time scale."""
+
+    seq: int  # arrival order of the turn
+    kind: str  # "trace" | "synthetic"
+    target: str
+    t_sched: float  # when it was due (send lag = t_send - t_sched: the load generator's health)
+    t_send: float
+    t_end: float
+    ttft_s: float | None  # first content token of any choice, from t_send (None: no token)
+    tpot_s: float | None  # worst choice's (last token - first token) / (tokens - 1); None below 2 tokens
+    status: int  # HTTP status; CONN_FAILED (0) before a status; HANG (-1) past the request timeout
+    error_code: str = ""  # the error envelope's / SSE error event's code (else type), "stream_truncated"
+    error_type: str = ""
+    retry_after_s: float | None = None
+    retried: bool = False  # refused, then sent again once (retry_refused)
+    session_id: str | None = None
+    turn: int = 0
+    session_turns: int | None = None
+    is_continuation: bool = False
+    n: int = 1
+    input_tokens: int = 0
+    clipped: bool = False
+    max_tokens: int = 0
+    output_tokens: int = 0  # the usage chunk's completion_tokens, else content chunks counted
+    server_class: str = ""  # X-Admission-Class (pdmaster: continuation / probable_cache_hit / cold)
+    admission_wait_ms: float | None = None  # X-Admission-Wait-Ms
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error_code
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+
+def _envelope(raw: bytes) -> tuple[str, str]:
+    """(code, type) of an OpenAI error envelope; ("", "") when it is not one."""
+    try:
+        err = json.loads(raw).get("error")
+    except (ValueError, AttributeError):
+        return "", ""
+    if not isinstance(err, dict):
+        return (str(err), "") if err else ("", "")
+    code, type_ = err.get("code"), err.get("type")
+    return str(code if code is not None else type_ or "error"), str(type_ or "")
+
+
+class OpenLoop:
+    """Open-loop load: arrivals follow the workload's clock whatever the answers do. Each
+    :class:`~pdcoord.dev.workload.Arrival` is a session whose first turn is sent at its time and each
+    later turn a think time after the previous one *ended* (a user reads the answer before typing;
+    arrivals of new sessions still never wait), only if the previous one succeeded: a refused or
+    failed turn ends its session, as the user would have nothing to continue from. Every request is
+    a streamed ``/v1/chat/completions`` through the sticky :class:`~pdcoord.dev.workload.Balancer`.
+    A refusal is an outcome, not retried unless ``retry_refused``."""
+
+    def __init__(
+        self,
+        targets: Balancer | Sequence[Target],
+        arrivals: Iterable[Arrival],
+        cfg: OpenLoopConfig,
+        out: str | os.PathLike[str] | None = None,
+        seed: int = 1,
+    ) -> None:
+        self.balancer = targets if isinstance(targets, Balancer) else Balancer(targets, seed)
+        self.arrivals = arrivals
+        self.cfg = cfg
+        self.out_path = out
+        self.records: list[RequestRecord] = []
+        self.stop_event = threading.Event()
+        self._seq = 0
+        self._t0 = 0.0
+        self._out: Any = None
+
+    def _now(self) -> float:
+        return time.monotonic() - self._t0
+
+    async def run(self) -> list[RequestRecord]:
+        """Send every arrival due within the window, wait for every request to end; the records."""
+        k = self.cfg.time_scale
+        window = self.cfg.duration_s * k
+        connector = aiohttp.TCPConnector(
+            limit=self.cfg.connection_limit, limit_per_host=0, keepalive_timeout=60
+        )
+        tasks: set[asyncio.Task[None]] = set()
+        with contextlib.ExitStack() as stack:
+            if self.out_path is not None:
+                # opened once, before the clock starts; each line is a small buffered write
+                self._out = stack.enter_context(open(self.out_path, "w"))  # noqa: ASYNC230
+            async with aiohttp.ClientSession(
+                connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
+            ) as http:
+                self._t0 = time.monotonic()
+                for arr in self.arrivals:
+                    due = arr.at_s * k
+                    if due >= window or self.stop_event.is_set():
+                        break
+                    if due > self._now():
+                        await asyncio.sleep(due - self._now())
+                    task = asyncio.create_task(self._session(http, arr, due, window))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                # wait until the window's end even when arrivals ran out before it
+                if not self.stop_event.is_set() and self._now() < window:
+                    await asyncio.sleep(window - self._now())
+                while tasks:
+                    await asyncio.gather(*list(tasks))
+            self._out = None
+        return self.records
+
+    async def _session(self, http: aiohttp.ClientSession, arr: Arrival, due: float, window: float) -> None:
+        for i, turn in enumerate(arr.turns):
+            if i > 0:
+                due = self._now() + arr.think_s[i - 1] * self.cfg.time_scale
+                if due >= window or self.stop_event.is_set():
+                    return  # the window closed: later turns are not sent (not a failure)
+                await asyncio.sleep(max(0.0, due - self._now()))
+            rec = await self.send(http, turn, due)
+            if not rec.ok:
+                return
+
+    async def send(self, http: aiohttp.ClientSession, turn: Turn, due: float | None = None) -> RequestRecord:
+        """Send one turn (and, with ``retry_refused``, once more after a refusal); its record."""
+        target = self.balancer.pick(turn.session_id)
+        self._seq += 1
+        body: dict[str, Any] = {"model": self.cfg.model, "messages": turn.messages(),
+                                "max_tokens": turn.max_tokens, "n": turn.n, "stream": True}  # fmt: skip
+        if self.cfg.include_usage:
+            body["stream_options"] = {"include_usage": True}
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if turn.session_id is not None:
+            headers["X-Session-Id"] = turn.session_id
+        t_send = self._now()
+        rec = RequestRecord(self._seq, turn.kind, target.name, due if due is not None else t_send, t_send,
+                            t_send, None, None, HANG, session_id=turn.session_id, turn=turn.turn,
+                            session_turns=turn.session_turns, is_continuation=turn.is_continuation, n=turn.n,
+                            input_tokens=turn.input_tokens, clipped=turn.clipped,
+                            max_tokens=turn.max_tokens)  # fmt: skip
+        deadline = time.monotonic() + self.cfg.request_timeout_s * self.cfg.time_scale
+        url = target.url + "/v1/chat/completions"
+        await self._attempt(http, url, data, headers, rec, deadline)
+        if self.cfg.retry_refused and rec.status in (429, 503):
+            wait = rec.retry_after_s if rec.retry_after_s is not None else 1.0
+            if time.monotonic() + wait < deadline:
+                await asyncio.sleep(wait)
+                rec.retried = True
+                rec.error_code = rec.error_type = ""
+                await self._attempt(http, url, data, headers, rec, deadline)
+        rec.t_end = self._now()
+        self.records.append(rec)
+        if self._out is not None:
+            self._out.write(rec.to_json() + "\n")
+        return rec
+
+    async def _attempt(
+        self,
+        http: aiohttp.ClientSession,
+        url: str,
+        data: bytes,
+        headers: dict[str, str],
+        rec: RequestRecord,
+        deadline: float,
+    ) -> None:
+        resp: aiohttp.ClientResponse | None = None
+        finished = False
+        rec.status = CONN_FAILED
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(loop.time() + (deadline - time.monotonic())):
+                resp = await http.post(url, data=data, headers=headers)
+                rec.status = resp.status
+                rec.retry_after_s = _retry_after(resp.headers.get("Retry-After"))
+                rec.server_class = resp.headers.get("X-Admission-Class", "")
+                wait = resp.headers.get("X-Admission-Wait-Ms")
+                rec.admission_wait_ms = float(wait) if wait else None
+                if resp.status != 200:
+                    raw = await resp.read()
+                    rec.error_code, rec.error_type = _envelope(raw)
+                    if not rec.error_code:
+                        rec.error_code = str(resp.status)
+                else:
+                    await self._read_stream(resp, rec)
+                finished = True
+        except TimeoutError:
+            rec.status, rec.error_code, rec.error_type = HANG, "hang", ""
+        except (aiohttp.ClientError, OSError) as exc:
+            if resp is None:
+                rec.status = CONN_FAILED
+                rec.error_code = type(exc).__name__
+            else:  # the stream broke after the headers: the status stays, the answer is incomplete
+                rec.error_code = "stream_truncated"
+            rec.error_type = type(exc).__name__
+        finally:
+            if resp is not None:
+                if finished:
+                    resp.release()
+                else:
+                    resp.close()  # the server sees the client leave
+
+    async def _read_stream(self, resp: aiohttp.ClientResponse, rec: RequestRecord) -> None:
+        """Minimal SSE: ``data:`` lines, one JSON each; content deltas counted per choice."""
+        first: dict[int, float] = {}
+        last: dict[int, float] = {}
+        count: dict[int, int] = {}
+        usage_tokens: int | None = None
+        done = False
+        buf = b""
+        async for chunk in resp.content.iter_any():
+            now = self._now()
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    done = True
+                    continue
+                try:
+                    ev = json.loads(payload)
+                except ValueError:
+                    continue
+                if not isinstance(ev, dict):
+                    continue
+                if "error" in ev:
+                    code, type_ = _envelope(payload)
+                    rec.error_code, rec.error_type = code or "stream_error", type_
+                    continue
+                usage = ev.get("usage")
+                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                    usage_tokens = usage["completion_tokens"]
+                for ch in ev.get("choices") or ():
+                    delta = ch.get("delta") or {}
+                    if delta.get("content") or ch.get("text"):
+                        idx = int(ch.get("index", 0))
+                        first.setdefault(idx, now)
+                        last[idx] = now
+                        count[idx] = count.get(idx, 0) + 1
+        if not done and not rec.error_code:
+            rec.error_code = "stream_truncated"  # the stream ended without [DONE]
+        if first:
+            rec.ttft_s = min(first.values()) - rec.t_send
+        tpots = [(last[i] - first[i]) / (count[i] - 1) for i in first if count[i] > 1]
+        rec.tpot_s = max(tpots) if tpots else None
+        rec.output_tokens = usage_tokens if usage_tokens is not None else sum(count.values())
+
+
+def _pcts(values: Sequence[float]) -> dict[str, float | None]:
+    return {"p50": percentile(values, 50), "p99": percentile(values, 99)}
+
+
+def meets_slo(r: RequestRecord, slo_ttft_s: float, slo_tpot_s: float, time_scale: float = 1.0) -> bool:
+    """Succeeded, first token within the TTFT SLO and (with two tokens or more) TPOT within its SLO."""
+    if not r.ok or r.ttft_s is None:
+        return False
+    return r.ttft_s / time_scale <= slo_ttft_s and (r.tpot_s is None or r.tpot_s / time_scale <= slo_tpot_s)
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    slo_ttft_s: float,
+    slo_tpot_s: float,
+    time_scale: float = 1.0,
+    duration_s: float | None = None,
+) -> dict[str, Any]:
+    """An open-loop run in engine time (wall times / *time_scale*). *duration_s* (engine seconds)
+    divides the counts into rates; by default the span from the first send to the last end.
+
+    ``goodput_rps`` is requests per second that succeeded within both SLOs; ``attainment`` their
+    share of all requests sent (refusals, errors and hangs included). Per class (``first_turn``,
+    ``continuation``, as the load knows them): counts, attainment, TTFT/TPOT p50/p99 of the
+    successful ones. ``sessions_met``: sessions whose every sent turn met the SLO;
+    ``sessions_completed``: those that also sent every planned turn (synthetic sessions only)."""
+    k = time_scale
+    if duration_s is None:
+        duration_s = (max(r.t_end for r in records) - min(r.t_send for r in records)) / k if records else 0.0
+    per_s = (lambda c: c / duration_s) if duration_s > 0 else (lambda c: 0.0)
+    met = {r.seq for r in records if meets_slo(r, slo_ttft_s, slo_tpot_s, k)}
+    ok = [r for r in records if r.ok]
+
+    def block(rs: Sequence[RequestRecord]) -> dict[str, Any]:
+        good = [r for r in rs if r.ok]
+        n_met = sum(1 for r in rs if r.seq in met)
+        return {
+            "requests": len(rs),
+            "ok": len(good),
+            "met_slo": n_met,
+            "attainment": n_met / len(rs) if rs else None,
+            "ttft_s": _pcts([r.ttft_s / k for r in good if r.ttft_s is not None]),
+            "tpot_s": _pcts([r.tpot_s / k for r in good if r.tpot_s is not None]),
+        }
+
+    statuses: dict[str, int] = {}
+    errors: dict[str, int] = {}
+    server_classes: dict[str, int] = {}
+    for r in records:
+        statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
+        if r.error_code:
+            errors[r.error_code] = errors.get(r.error_code, 0) + 1
+        if r.server_class:
+            server_classes[r.server_class] = server_classes.get(r.server_class, 0) + 1
+    sessions: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        if r.session_id is not None:
+            sessions.setdefault(r.session_id, []).append(r)
+    sessions_met = [rs for rs in sessions.values() if all(r.seq in met for r in rs)]
+    completed = [
+        rs for rs in sessions_met if rs[0].session_turns is not None and len(rs) == rs[0].session_turns
+    ]
+    summary = {
+        "duration_s": duration_s,
+        "time_scale": k,
+        "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s},
+        "requests": len(records),
+        "offered_rps": per_s(len(records)),
+        "ok": len(ok),
+        "throughput_rps": per_s(len(ok)),
+        "met_slo": len(met),
+        "goodput_rps": per_s(len(met)),
+        "attainment": len(met) / len(records) if records else None,
+        "output_tokens_per_s": per_s(sum(r.output_tokens for r in ok)),
+        "goodput_output_tokens_per_s": per_s(sum(r.output_tokens for r in records if r.seq in met)),
+        "all": block(records),
+        "first_turn": block([r for r in records if not r.is_continuation]),
+        "continuation": block([r for r in records if r.is_continuation]),
+        "statuses": statuses,
+        "refusals": {s: c for s, c in statuses.items() if s in ("429", "503")},
+        "refused": sum(1 for r in records if r.status in (429, 503)),
+        "hangs": sum(1 for r in records if r.status == HANG),
+        "conn_failed": sum(1 for r in records if r.status == CONN_FAILED),
+        "errors": errors,
+        "retried": sum(1 for r in records if r.retried),
+        "server_classes": server_classes,
+        "clipped": sum(1 for r in records if r.clipped),
+        "sessions": len(sessions),
+        "sessions_met": len(sessions_met),
+        "sessions_completed": len(completed),
+        "session_attainment": len(sessions_met) / len(sessions) if sessions else None,
+        "max_send_lag_s": max((r.t_send - r.t_sched for r in records), default=0.0) / k,
+    }
+    return summary
+
+
 # ---------------------------------------------------------------------------- benchmark process
 
 
@@ -477,11 +864,127 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------------------- open-loop process
+
+
+def _int_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    a, b = int(lo), int(hi or lo)
+    if not 0 < a <= b:
+        raise argparse.ArgumentTypeError(f"need LO-HI with 0 < LO <= HI, got {text!r}")
+    return a, b
+
+
+def open_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pdcoord.dev.loadgen open",
+        description="Open-loop streamed chat load (a Mooncake trace replay or synthetic multi-turn "
+        "sessions) through a sticky load balancer: START and END around the load on stdout, then one "
+        "JSON line with the summary; one JSON line per request in --out. Times (rate, duration, "
+        "schedule, think time, timeout, SLOs) are engine seconds, stretched by --time-scale.",
+    )
+    p.add_argument("--targets", required=True, help="router base URLs, comma-separated")
+    p.add_argument("--weights", default="even", help="'even' or one relative weight per target: 0.7,0.2,0.1")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", default=None, help="Mooncake-format JSONL trace to replay")
+    src.add_argument("--synthetic", action="store_true", help="synthetic multi-turn sessions")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="requests/s: with --trace the trace's mean rate over the whole file becomes this "
+        "(default: its own, or --speed); with --synthetic the offered rate, sessions arriving at "
+        "rate / mean turns (default 1)",
+    )
+    p.add_argument("--speed", type=float, default=None, help="--trace: timestamps divided by this")
+    p.add_argument("--duration", type=float, required=True, help="seconds of arrivals")
+    p.add_argument("--schedule", default="", help="rate multipliers from:to:mult[,…], e.g. 0:60:1,60:120:2.5")
+    p.add_argument("--time-scale", type=float, default=1.0, help="the engines run this many times slower")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", default=None, help="one JSON line per request")
+    p.add_argument("--request-timeout", type=float, default=120.0, help="then HANG, connection closed")
+    p.add_argument("--retry-refused", action="store_true", help="resend a 429/503 once after Retry-After")
+    p.add_argument("--model", default="pdsim-model")
+    p.add_argument("--connections", type=int, default=1024, help="connection pool limit")
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO of the summary (s)")
+    p.add_argument("--slo-tpot", type=float, default=0.05, help="TPOT SLO of the summary (s)")
+    t = p.add_argument_group("trace")
+    t.add_argument(
+        "--max-input-tokens",
+        type=int,
+        default=32768,
+        help="longer prompts are clipped to this (the engines' context must also hold max_tokens)",
+    )
+    t.add_argument("--trace-start", type=float, default=0.0, help="skip the trace's first seconds")
+    s = p.add_argument_group("synthetic")
+    d = SyntheticConfig()
+    s.add_argument("--turns", type=_int_range, default=d.turns, help="turns per session, LO-HI (2-6)")
+    s.add_argument("--max-tokens", type=_int_range, default=d.max_tokens, help="per turn, LO-HI (80-350)")
+    s.add_argument("--think-mean", type=float, default=d.think_mean_s, help="mean think time (s)")
+    s.add_argument("--gang-fraction", type=float, default=d.gang_fraction, help="requests with n > 1")
+    s.add_argument("--gang-n", type=int, default=d.gang_n)
+    s.add_argument("--system-prompts", type=int, default=d.system_prompts)
+    s.add_argument("--system-tokens", type=int, default=d.system_tokens)
+    s.add_argument(
+        "--first-user-tokens", type=float, default=d.first_user_median_tokens, help="lognormal median"
+    )
+    s.add_argument("--user-tokens", type=_int_range, default=d.user_tokens, help="later turns, LO-HI")
+    return p
+
+
+def open_arrivals(args: argparse.Namespace) -> tuple[Iterable[Arrival], dict[str, Any]]:
+    """The arrivals the CLI's arguments describe, and what was chosen (for the summary)."""
+    schedule = Schedule.parse(args.schedule)
+    if args.trace:
+        n, span = trace_span(args.trace)
+        speed = args.speed or 1.0
+        if args.rate:
+            speed = args.rate / (n / span)
+        reqs = load_trace(args.trace, args.trace_start, args.duration * speed)
+        info = {"source": "trace", "trace": args.trace, "speed": speed, "trace_requests": len(reqs),
+                "continuations": sum(1 for r in reqs if r.turn > 0)}  # fmt: skip
+        return trace_arrivals(reqs, speed=speed, schedule=schedule, max_input_tokens=args.max_input_tokens,
+                              tag=f"mc{args.seed}"), info  # fmt: skip
+    cfg = SyntheticConfig(turns=args.turns, max_tokens=args.max_tokens, think_mean_s=args.think_mean,
+                          gang_fraction=args.gang_fraction, gang_n=args.gang_n,
+                          system_prompts=args.system_prompts, system_tokens=args.system_tokens,
+                          first_user_median_tokens=args.first_user_tokens,
+                          user_tokens=args.user_tokens)  # fmt: skip
+    cfg.session_rate = (args.rate or 1.0) / cfg.mean_turns
+    info = {"source": "synthetic", "session_rate": cfg.session_rate}
+    return synthetic_arrivals(cfg, args.seed, schedule), info
+
+
+async def open_bench(args: argparse.Namespace) -> dict[str, Any]:
+    arrivals, info = open_arrivals(args)
+    cfg = OpenLoopConfig(duration_s=args.duration, request_timeout_s=args.request_timeout,
+                         retry_refused=args.retry_refused, time_scale=args.time_scale, model=args.model,
+                         connection_limit=args.connections)  # fmt: skip
+    load = OpenLoop(parse_targets(args.targets, args.weights), arrivals, cfg, args.out, seed=args.seed)
+    print("START", flush=True)
+    records = await load.run()
+    print("END", flush=True)
+    summary = summarize(records, args.slo_ttft, args.slo_tpot, args.time_scale, args.duration)
+    cpu = os.times()
+    return {**info, **summary, "loadgen_cpu_s": cpu.user + cpu.system}
+
+
+def open_main(argv: Sequence[str]) -> None:
+    args = open_parser().parse_args(argv)
+    result = asyncio.run(open_bench(args))
+    sys.stdout.write(json.dumps(result) + "\n")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["open"]:  # the open-loop load; without it, the peer benchmarks' closed loop
+        open_main(argv[1:])
+        return
     p = argparse.ArgumentParser(
         prog="python -m pdcoord.dev.loadgen",
         description="Closed-loop streaming load for the peer benchmarks: START and END around the "
-        "measured load on stdout, then one JSON line with the results.",
+        "measured load on stdout, then one JSON line with the results. The open-loop load is "
+        "`python -m pdcoord.dev.loadgen open --help`.",
     )
     p.add_argument("--url", default=None, help="router base URL (comma-separated: round robin)")
     p.add_argument("--prefill", default=None, help="direct mode: prefill base URL")
