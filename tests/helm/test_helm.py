@@ -1212,3 +1212,38 @@ def test_get_helm_script_is_idempotent(helm: str, tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "already installed" in proc.stdout
+
+
+# --- admission target wait, Ingress sticky by session ---------------------------------------------
+
+
+def test_admission_target_wait_is_passed_through(helm: str) -> None:
+    assert "admission-target-wait" not in flags(master_container(render()))  # off by default
+    assert _cli_defaults("pdmaster.main")["admission-target-wait"] is None
+    for value, flag in (("0:5:2", "0:5:2"), (2.5, "2.5"), (3, "3")):
+        f = flags(master_container(render({"master": {"admissionTargetWait": value}})))
+        assert f["admission-target-wait"] == flag
+
+
+@pytest.mark.parametrize("value", ["soon", "1:2", "-1", "1:2:3:4"])
+def test_bad_admission_target_wait_is_refused_by_the_schema(helm: str, value: str) -> None:
+    proc = _template(json.dumps({"master": {"admissionTargetWait": value}}))
+    assert proc.returncode != 0 and "admissionTargetWait" in proc.stderr
+
+
+def test_ingress_is_off_by_default_and_sticky_by_session_when_on(helm: str) -> None:
+    assert find(render(), "Ingress") == []
+    docs = render({"ingress": {"enabled": True, "className": "nginx", "annotations": {"a": "b"}}})
+    ing = one(docs, "Ingress", MASTER)
+    assert ing["metadata"]["annotations"] == {
+        "a": "b",
+        "nginx.ingress.kubernetes.io/upstream-hash-by": "$http_x_session_id",
+    }
+    assert ing["spec"]["ingressClassName"] == "nginx"
+    (rule,) = ing["spec"]["rules"]
+    assert "host" not in rule
+    backend = rule["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": MASTER, "port": {"name": "http"}}
+    assert one(docs, "Service", MASTER)["spec"]["ports"][0]["name"] == "http"
+    plain = one(render({"ingress": {"enabled": True, "sessionAffinity": False}}), "Ingress", MASTER)
+    assert "annotations" not in plain["metadata"]
