@@ -540,7 +540,7 @@ class OpenLoop:
         self.records: list[RequestRecord] = []
         self.stop_event = threading.Event()
         self._seq = 0
-        self._t0 = 0.0
+        self._t0 = time.monotonic()  # run() restarts the clock; send() alone counts from here
         self._out: Any = None
 
     def _now(self) -> float:
