@@ -1,4 +1,4 @@
-"""``pdcoord``: developer utilities (local etcd, the local cluster demo)."""
+"""``pdcoord``: the fleet's status (``pdcoord status``) and developer utilities (local etcd, the demo)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port", type=port, default=None, help="plain-HTTP /health and /metrics port (with TLS)"
     )
 
+    # `pdcoord status` parses its own flags (pdcoord.status, with the binaries' etcd flags and their
+    # PDCOORD_* environment variables); listed here for `pdcoord --help`.
+    sub.add_parser("status", help="show the fleet: masters, nodes, shares and epochs, and what is wrong",
+                   add_help=False)  # fmt: skip
+
     d = sub.add_parser(
         "demo",
         help="run a local cluster (etcd, 2 masters, engines with agents), load it, kill a master, summarise",
@@ -46,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["status"]:  # an operator command: its logic is runtime code, not the dev kit
+        from pdcoord.status import main as status_main
+
+        sys.exit(status_main(argv[1:]))
     args = build_parser().parse_args(argv)
     if args.command == "etcd":
         from pdcoord.dev.etcd_server import EtcdServerTLS, run_foreground
