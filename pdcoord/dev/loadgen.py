@@ -52,6 +52,7 @@ from pdcoord.dev.workload import (
     SyntheticConfig,
     Target,
     Turn,
+    corpus,
     load_trace,
     parse_targets,
     synthetic_arrivals,
@@ -561,6 +562,7 @@ class OpenLoop:
             async with aiohttp.ClientSession(
                 connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
             ) as http:
+                corpus()  # built once (~0.1 s), before the clock starts rather than in the first send
                 self._t0 = time.monotonic()
                 for arr in self.arrivals:
                     due = arr.at_s * k
