@@ -17,10 +17,29 @@ from collections import Counter, defaultdict
 from pdcoord.dev.cluster import LocalCluster, scrape_metrics
 from pdcoord.dev.etcd_server import LocalEtcd
 from pdcoord.dev.launcher import ProcessGroup
-from pdcoord.dev.loadgen import HANG, BackgroundLoad, LoadConfig, Outcome, RequestMix, percentile
+from pdcoord.dev.loadgen import CONN_FAILED, HANG, BackgroundLoad, LoadConfig, Outcome, RequestMix, percentile
 
 PREFILL = {"p1": 32, "p2": 32}
 DECODE = {"d1": 8, "d2": 8, "d3": 4}
+KILLED = "m2"  # the master the demo SIGKILLs part-way
+
+
+def error_kind(o: Outcome) -> str:
+    """How a failed or refused request ended, as the summary's table names it."""
+    if o.status == HANG:
+        return "hung (no answer within the client's timeout)"
+    if o.status == CONN_FAILED:
+        return f"connection failed or broken ({o.error or 'no status'})"
+    return f"{o.status} {o.error}".strip()
+
+
+def refused(o: Outcome) -> bool:
+    """429: the admission queue's bound at work; the client waits for Retry-After and tries again."""
+    return o.status == 429
+
+
+def is_5xx(o: Outcome) -> bool:
+    return 500 <= o.status < 600
 
 
 def fmt_table(rows: list[list[str]], header: list[str]) -> str:
@@ -51,6 +70,8 @@ class Demo:
         self.rejoin_s: float | None = None
         self.problems: list[str] = []
         self.waiting: dict[str, object] = {}  # agents' handover state when the failover overran
+        self.killed_at: float | None = None  # time.monotonic() of the SIGKILL
+        self.back_at: float | None = None  # when its replacement registered
 
     def say(self, text: str) -> None:
         print(text, flush=True)
@@ -97,8 +118,9 @@ class Demo:
             self.progress(el, load.snapshot())
             if not killed and el >= 0.35 * duration:
                 killed = True
-                self.say(f"\n[{el:5.1f}s] SIGKILL master m2 (pid {c.masters['m2'].proc.pid})")
-                c.masters["m2"].proc.kill()
+                self.say(f"\n[{el:5.1f}s] SIGKILL master {KILLED} (pid {c.masters[KILLED].proc.pid})")
+                self.killed_at = time.monotonic()
+                c.masters[KILLED].proc.kill()
                 try:
                     self.failover_s = self.wait_failover(caps)
                     self.say(f"[{time.monotonic() - start:5.1f}s] m1 holds the full capacity "
@@ -111,7 +133,8 @@ class Demo:
                 self.say(f"\n[{el:5.1f}s] restarting master m2")
                 try:
                     # The killed m2's lease lives for its TTL: a new m2 is refused until it expires.
-                    c.start_master_when_free("m2")
+                    c.start_master_when_free(KILLED)
+                    self.back_at = time.monotonic()
                     self.rejoin_s = c.wait_for(lambda: c.full_capacity_held(["m1", "m2"], caps), 15, 0.02)
                 except TimeoutError:
                     self.problems.append("m2 did not get its share back within 15 s")
@@ -142,6 +165,7 @@ class Demo:
     def progress(self, elapsed: float, outcomes: list[Outcome]) -> None:
         done = len(outcomes)
         ok = sum(o.ok for o in outcomes)
+        n_refused = sum(refused(o) for o in outcomes)
         parts = []
         for m in self.cluster.masters.values():
             if not m.proc.alive:
@@ -153,7 +177,8 @@ class Demo:
                              f"queued {a.get('queued_requests', 0)}")  # fmt: skip
             except OSError:
                 parts.append(f"{m.master_id}: ?")
-        self.say(f"[{elapsed:5.1f}s] requests {done} ok {ok} errors {done - ok} | " + " | ".join(parts))
+        self.say(f"[{elapsed:5.1f}s] requests {done} ok {ok} refused (429) {n_refused} "
+                 f"failed {done - ok - n_refused} | " + " | ".join(parts))  # fmt: skip
 
     # -- summary ------------------------------------------------------------------------------
     def summary(self, outcomes: list[Outcome]) -> int:
@@ -195,10 +220,11 @@ class Demo:
             self.say(f"\nfailover: m1 held the full capacity {self.failover_s:.2f}s after m2 was killed")
         if self.rejoin_s is not None:
             self.say(f"rejoin: shares re-sliced {self.rejoin_s:.2f}s after m2 restarted")
-        errors = Counter(f"{o.status} {o.error}".strip() for o in outcomes if not o.ok)
-        self.say("\nerrors by kind:" + ("".join(f"\n  {k}: {v}" for k, v in errors.most_common()) or " none"))
+        self.say("\n" + self.error_table(outcomes))
         hangs = sum(1 for o in outcomes if o.status == HANG)
-        five_xx = [o for o in outcomes if o.status >= 500 and o.status != 503]
+        five_xx = [o for o in outcomes if is_5xx(o)]
+        failed = [o for o in outcomes if not o.ok and not refused(o)]
+        n_refused = sum(refused(o) for o in outcomes)
         if hangs:
             self.problems.append(f"{hangs} requests hung")
         if leaked:
@@ -212,14 +238,52 @@ class Demo:
                 self.say(f"  {node}: {json.dumps(state, sort_keys=True)}")
         if not outcomes or not sum(o.ok for o in outcomes):
             self.problems.append("no request completed")
-        self.say(f"\n{len(outcomes)} requests, {sum(o.ok for o in outcomes)} completed, "
-                 f"{len(five_xx)} 5xx (in flight on the killed master end with an explicit error), "
+        from_killed = Counter(self.from_killed(o) for o in failed)
+        elsewhere = len(failed) - from_killed["in flight when killed"] - from_killed["after the kill"]
+        self.say(f"\n{len(outcomes)} requests: {sum(o.ok for o in outcomes)} completed, {n_refused} refused "
+                 f"(429), {len(failed)} failed, of which {len(five_xx)} 5xx "
+                 f"({sum(bool(self.from_killed(o)) for o in five_xx)} from the killed master {KILLED})\n"
+                 f"failed on {KILLED}: {from_killed['in flight when killed']} in flight when it was killed, "
+                 f"{from_killed['after the kill']} after (refused connections, and 503 while its "
+                 f"replacement waited for the old lease to expire); failed elsewhere: {elsewhere}\n"
                  f"{queued_total:.0f} requests queued inside decode engines")  # fmt: skip
         if self.problems:
             self.say("INVARIANTS VIOLATED:\n  " + "\n  ".join(self.problems))
             return 1
         self.say("all invariants held")
         return 0
+
+    def from_killed(self, o: Outcome) -> str:
+        """What the killed master had to do with *o*: "in flight when killed", "after the kill" (before
+        its replacement registered), or "" (nothing)."""
+        at = self.killed_at
+        if at is None or o.master != KILLED or o.ended < at:
+            return ""
+        if o.started <= at:
+            return "in flight when killed"
+        return "after the kill" if self.back_at is None or o.started < self.back_at else ""
+
+    def error_table(self, outcomes: list[Outcome]) -> str:
+        """Refusals and failures by kind, each with the masters that gave them."""
+        lines = []
+        for title, pick in (
+            ("refused (429: the queue bound at work; clients wait for Retry-After)", refused),
+            ("failed", lambda o: not o.ok and not refused(o)),
+        ):
+            by_kind: dict[str, Counter[str]] = defaultdict(Counter)
+            for o in outcomes:
+                if pick(o):
+                    how = self.from_killed(o)
+                    where = f"{o.master} {how}" if how else o.master
+                    by_kind[error_kind(o)][where] += 1
+            rows = sorted(by_kind.items(), key=lambda kv: -sum(kv[1].values()))
+            body = "".join(
+                f"\n  {kind}: {sum(where.values())} ("
+                + ", ".join(f"{w}: {n}" for w, n in sorted(where.items())) + ")"
+                for kind, where in rows
+            )  # fmt: skip
+            lines.append(f"{title}:" + (body or " none"))
+        return "\n".join(lines)
 
     def keep(self) -> None:
         m = next(iter(self.cluster.masters.values()))
