@@ -224,7 +224,6 @@ class EngineModel:
             self._set_phase(r, Phase.WAITING)
             self._waiting.append(r)
         self._fresh.append(r)
-        self._note_waiting()
 
     def transferred(self, rid: Hashable) -> None:
         """A preallocated PD request's KV has arrived: it may now join the batch."""
@@ -261,6 +260,8 @@ class EngineModel:
             # As both engines: a step that had to retract or preempt admits nobody.
             self._admit()
         self._mark_queued()
+        # Measured after admission: what stays pending waits inside the engine (or is in transfer).
+        self.max_waiting = max(self.max_waiting, self.pending_seqs)
         chunks: list[tuple[ModelRequest, int]] = []
         decode: list[ModelRequest] = []
         budget = self.cfg.max_prefill_tokens
@@ -331,9 +332,6 @@ class EngineModel:
         if phase is not Phase.DONE:
             self._reqs_in[phase] += 1
             self._seqs_in[phase] += r.seqs
-
-    def _note_waiting(self) -> None:
-        self.max_waiting = max(self.max_waiting, self.pending_seqs)
 
     def _alloc(self, r: ModelRequest, tokens: int) -> None:
         r.kv += tokens
@@ -493,4 +491,3 @@ class EngineModel:
         self._waiting.appendleft(r)
         self._fresh.append(r)
         self._events.retracted.append(r.rid)
-        self._note_waiting()

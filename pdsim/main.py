@@ -22,7 +22,8 @@ from pdcoord.config import (
     setup_logging,
 )
 from pdsim.faults import Faults
-from pdsim.server import Config, Engine, Timing, build_admin_app, build_app, build_bootstrap_app
+from pdsim.profiles import PROFILES
+from pdsim.server import Config, Engine, ModelMode, Timing, build_admin_app, build_app, build_bootstrap_app
 
 log = logging.getLogger("pdsim")
 
@@ -80,7 +81,7 @@ def build_parser() -> EnvArgumentParser:
         "--max-total-tokens",
         type=positive_int,
         default=None,
-        help="KV pool size for token_usage (default N*1024)",
+        help="KV pool size in tokens (default N*1024; with --profile, the profile's pool)",
     )
     p.add_argument(
         "--cache-blocks", type=non_negative_int, default=8192, help="prefix cache capacity in blocks"
@@ -131,6 +132,37 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument(
         "--request-log-size", type=non_negative_int, default=1000, help="requests kept for /admin/requests"
     )
+    m = p.add_argument_group("model mode (a continuous-batch engine model; see README)")
+    m.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=None,
+        help="engine profile: step times, KV size and pool of a model on given GPUs; turns model mode on",
+    )
+    m.add_argument(
+        "--time-scale",
+        type=positive_float,
+        default=None,
+        help="wall seconds per engine second (default 1); results are in engine time = wall / K",
+    )
+    m.add_argument(
+        "--max-prefill-tokens",
+        type=positive_int,
+        default=None,
+        help="prefill tokens per step (default 16384)",
+    )
+    m.add_argument(
+        "--max-queued-requests",
+        type=positive_int,
+        default=None,
+        help="waiting requests beyond which arrivals get 503 (default unbounded)",
+    )
+    m.add_argument(
+        "--kv-bandwidth-gbps",
+        type=positive_float,
+        default=None,
+        help="PD KV transfer bandwidth in GB/s (default the profile's, 25)",
+    )
     f = p.add_argument_group("faults (also settable at run time through /admin/faults)")
     f.add_argument("--fault-refuse", action="store_true", help="the main port accepts no connections")
     f.add_argument(
@@ -151,6 +183,26 @@ def build_parser() -> EnvArgumentParser:
     return p
 
 
+MODEL_FLAGS = ("time_scale", "max_prefill_tokens", "max_queued_requests", "kv_bandwidth_gbps")
+
+
+def model_mode_from_args(args: argparse.Namespace) -> ModelMode | None:
+    """Model mode's settings, or None without ``--profile`` (raises ValueError for a model-only flag)."""
+    if args.profile is None:
+        given = [f"--{n.replace('_', '-')}" for n in MODEL_FLAGS if getattr(args, n) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with --profile")
+        return None
+    profile = PROFILES[args.profile]
+    return ModelMode(
+        profile=profile,
+        time_scale=args.time_scale if args.time_scale is not None else 1.0,
+        max_prefill_tokens=args.max_prefill_tokens or 16384,
+        max_queued_requests=args.max_queued_requests,
+        kv_bandwidth_gbps=args.kv_bandwidth_gbps or profile.kv_bandwidth_gbps,
+    )
+
+
 def timing_from_args(args: argparse.Namespace) -> Timing:
     values = {}
     for name, (default, fast) in TIMING_PRESETS.items():
@@ -161,6 +213,13 @@ def timing_from_args(args: argparse.Namespace) -> Timing:
 
 async def serve(args: argparse.Namespace) -> None:
     host = args.host
+    model_mode = model_mode_from_args(args)
+    if args.max_total_tokens:
+        max_total_tokens = args.max_total_tokens
+    elif model_mode is not None:
+        max_total_tokens = model_mode.profile.default_max_total_tokens
+    else:
+        max_total_tokens = args.running_max_req_size * 1024
     cfg = Config(
         role=args.role,
         host=host,
@@ -170,7 +229,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_n=args.max_n,
         context_length=args.context_length,
         default_max_tokens=args.default_max_tokens,
-        max_total_tokens=args.max_total_tokens or args.running_max_req_size * 1024,
+        max_total_tokens=max_total_tokens,
         cache_blocks=args.cache_blocks,
         cache_block_tokens=args.cache_block_tokens,
         prefill_parallel=args.prefill_parallel,
@@ -184,6 +243,7 @@ async def serve(args: argparse.Namespace) -> None:
         request_log_size=args.request_log_size,
         sglang_sample_rooms=args.sglang_sample_rooms == "accept",
         faults=faults_from_args(args),
+        model_mode=model_mode,
     )
     engine = Engine(cfg)
     await engine.start()
@@ -218,15 +278,30 @@ async def serve(args: argparse.Namespace) -> None:
             engine.admin_port = _bound_port(arunner)
         await engine.apply_listener()  # --fault-refuse: close the main port right away
         t = cfg.timing
-        log.info(
-            "role=%s capacity=%d prefill %.3g ms + %.3g ms/token, decode %.3g ms + %.3g ms/seq per token",
-            cfg.role,
-            cfg.running_max_req_size,
-            t.prefill_base_ms,
-            t.prefill_per_token_ms,
-            t.decode_base_ms,
-            t.decode_per_seq_ms,
-        )
+        if model_mode is not None:
+            pr = model_mode.profile
+            log.info(
+                "role=%s capacity=%d model mode: profile %s, step %.4g ms + %.4g us/prefill token + "
+                "%.4g us/decode seq, KV pool %d tokens, time scale %g",
+                cfg.role,
+                cfg.running_max_req_size,
+                pr.name,
+                pr.step_base_s * 1e3,
+                pr.per_prefill_token_s * 1e6,
+                pr.per_decode_seq_s * 1e6,
+                cfg.max_total_tokens,
+                model_mode.time_scale,
+            )
+        else:
+            log.info(
+                "role=%s capacity=%d prefill %.3g ms + %.3g ms/token, decode %.3g ms + %.3g ms/seq per token",
+                cfg.role,
+                cfg.running_max_req_size,
+                t.prefill_base_ms,
+                t.prefill_per_token_ms,
+                t.decode_base_ms,
+                t.decode_per_seq_ms,
+            )
         print(
             f"pdsim ready role={cfg.role} port={bound} bootstrap_port={engine.bootstrap_port} "
             f"admin_port={engine.admin_port}",
@@ -307,7 +382,12 @@ def _bound_port(runner: web.AppRunner) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parse(build_parser(), argv)
+    parser = build_parser()
+    args = parse(parser, argv)
+    try:
+        model_mode_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     setup_logging(args.log_level, "pdsim")
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(args))

@@ -18,9 +18,12 @@ from prometheus_client import CollectorRegistry, Counter, disable_created_metric
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdsim.batch_runner import BatchRunner, Ticket
 from pdsim.cache import PrefixCache, count_tokens
+from pdsim.engine_model import EngineModel, ModelConfig, ModelRequest, Phase, QueueFull, StepCost
 from pdsim.faults import ErrorDraw, FaultError, Faults, updated
 from pdsim.kvstore import KVStore
+from pdsim.profiles import Profile, transfer_time_s
 from pdsim.protocol import (
     SSE_DONE,
     Api,
@@ -51,6 +54,17 @@ class Timing:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelMode:
+    """Model mode (``--profile``): a continuous-batch engine model instead of per-request timers."""
+
+    profile: Profile
+    time_scale: float = 1.0  # wall seconds per engine second
+    max_prefill_tokens: int = 16384
+    max_queued_requests: int | None = None
+    kv_bandwidth_gbps: float = 25.0
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     role: Role
     host: str
@@ -78,6 +92,7 @@ class Config:
     # as real SGLang mishandles them (False).
     sglang_sample_rooms: bool = True
     faults: Faults = field(default_factory=Faults)
+    model_mode: ModelMode | None = None
 
 
 class KVTransferError(Exception):
@@ -91,6 +106,9 @@ class _Collector(Collector):
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
+        if self.engine.model is not None:
+            yield from self._collect_model(self.engine, self.engine.model)
+            return
         e = self.engine
         pool = e.pool
         usage = min(1.0, e.kv_tokens / e.cfg.max_total_tokens)
@@ -130,6 +148,96 @@ class _Collector(Collector):
         c.add_metric([], pool.queued_total)
         yield c
 
+    def _collect_model(self, e: Engine, m: EngineModel) -> Iterator[Metric]:
+        labels = {"model_name": e.cfg.model}
+
+        def gauge(name: str, doc: str, value: float, labelled: bool = True) -> GaugeMetricFamily:
+            if not labelled:
+                return GaugeMetricFamily(name, doc, value=value)
+            g = GaugeMetricFamily(name, doc, labels=list(labels))
+            g.add_metric(list(labels.values()), value)
+            return g
+
+        def counter(name: str, doc: str, value: float, labelled: bool = True) -> CounterMetricFamily:
+            if not labelled:
+                return CounterMetricFamily(name, doc, value=value)
+            c = CounterMetricFamily(name, doc, labels=list(labels))
+            c.add_metric(list(labels.values()), value)
+            return c
+
+        total = m.cfg.max_total_tokens
+        usage = min(1.0, m.kv_used / total)
+        running, waiting = m.running_seqs, m.waiting_seqs
+        prealloc, transfer = m.seqs(Phase.PREALLOC), m.seqs(Phase.TRANSFER)
+        yield gauge("sglang:num_running_reqs", "Running sequences.", running)
+        yield gauge("sglang:num_queue_reqs", "Sequences in the waiting queue.", waiting)
+        if e.cfg.role == "decode":
+            yield gauge(
+                "sglang:num_decode_prealloc_queue_reqs", "Sequences waiting to preallocate KV.", prealloc
+            )
+            yield gauge(
+                "sglang:num_decode_transfer_queue_reqs", "Sequences whose KV is in transfer.", transfer
+            )
+        yield gauge("sglang:token_usage", "Fraction of the KV token pool in use.", usage)
+        yield gauge("sglang:num_used_tokens", "KV tokens in use.", m.kv_used)
+        yield gauge("sglang:max_total_num_tokens", "KV pool size in tokens.", total)
+        yield gauge("sglang:new_token_ratio", "Admission reserve ratio.", m.new_token_ratio)
+        yield counter("sglang:num_retracted_requests", "Requests retracted.", m.retracted_requests)
+        yield counter(
+            "sglang:num_retracted_input_tokens",
+            "Input tokens of retracted requests.",
+            m.retracted_input_tokens,
+        )
+        yield counter(
+            "sglang:num_retracted_output_tokens",
+            "Output tokens of retracted requests.",
+            m.retracted_output_tokens,
+        )
+        yield gauge("vllm:num_requests_running", "Running sequences.", running)
+        # vLLM counts a request waiting for (or receiving) its remote KV as waiting.
+        yield gauge("vllm:num_requests_waiting", "Sequences waiting.", m.pending_seqs)
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of the KV cache in use (0-1).", usage)
+        yield counter("vllm:num_preemptions", "Requests preempted by recompute.", m.preemptions)
+        yield counter(
+            "pdsim_recomputed_tokens",
+            "Tokens prefilled again after a retraction or preemption.",
+            m.recomputed_tokens,
+            False,
+        )
+        yield gauge("pdsim_running", "Sequences running.", running, False)
+        yield gauge(
+            "pdsim_waiting_requests",
+            "Requests waiting for the batch.",
+            m.requests(Phase.WAITING) + m.requests(Phase.READY),
+            False,
+        )
+        yield gauge("pdsim_max_running", "Peak sequences running since start.", m.max_running, False)
+        yield gauge(
+            "pdsim_max_waiting",
+            "Peak sequences waiting, preallocating or in transfer since start.",
+            m.max_waiting,
+            False,
+        )
+        yield gauge("pdsim_capacity", "running_max_req_size.", m.cfg.max_running_seqs, False)
+        yield gauge(
+            "pdsim_kv_waiting", "Sequences preallocating or in KV transfer.", prealloc + transfer, False
+        )
+        yield gauge("pdsim_kv_rooms", "KV transfer rooms held by the bootstrap listener.", len(e.kv), False)
+        yield gauge("pdsim_hung_requests", "Requests held open by a hang fault.", e.hung, False)
+        if e.cfg.role == "prefill":
+            c = CounterMetricFamily(
+                "pdsim_prefill_tokens", "Prefill tokens computed for PD rooms, by fate.", labels=["outcome"]
+            )
+            c.add_metric(["transferred"], e.kv.transferred_tokens)
+            c.add_metric(["wasted"], e.kv.wasted_tokens + e.prefill_wasted_tokens)
+            yield c
+        yield counter(
+            "pdsim_queued",
+            "Requests that ever waited for batch room or KV inside the engine.",
+            m.queued_total,
+            False,
+        )
+
 
 class Engine:
     def __init__(self, cfg: Config) -> None:
@@ -156,6 +264,24 @@ class Engine:
         # Opens (True) or closes (False) the main listener; set by the process that owns it.
         self.listener_control: Callable[[bool], Awaitable[None]] | None = None
         self.listening = True
+        self.model: EngineModel | None = None
+        self.runner: BatchRunner | None = None
+        self.prefill_wasted_tokens = 0  # model mode: prefill work for requests whose client left
+        mm = cfg.model_mode
+        if mm is not None:
+            p = mm.profile
+            self.model = EngineModel(
+                ModelConfig(
+                    role=cfg.role,
+                    policy="vllm" if cfg.flavor == "vllm" else "sglang",
+                    cost=StepCost(p.step_base_s, p.per_prefill_token_s, p.per_decode_seq_s),
+                    max_total_tokens=cfg.max_total_tokens,
+                    max_running_seqs=cfg.running_max_req_size,
+                    max_prefill_tokens=mm.max_prefill_tokens,
+                    max_queued_requests=mm.max_queued_requests,
+                )
+            )
+            self.runner = BatchRunner(self.model, mm.time_scale, lambda: self.faults.slow)
         disable_created_metrics()  # keep the scrape small: no *_created series
         self.registry = CollectorRegistry()
         r = self.registry
@@ -180,8 +306,12 @@ class Engine:
     async def start(self) -> None:
         self._client = ClientSession()
         self._purger = asyncio.create_task(self._purge_loop())
+        if self.runner is not None:
+            self.runner.start()
 
     async def close(self) -> None:
+        if self.runner is not None:
+            await self.runner.close()
         self._purger.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._purger
@@ -312,6 +442,19 @@ class Engine:
                 raise BadRequest(
                     "'bootstrap_room' needs 'bootstrap_host' and 'bootstrap_port'", param="bootstrap_host"
                 )
+            if self.model is not None:
+                # A request that could never run alone here would be retracted forever.
+                prompt = sum(count_tokens(p) for p in req.all_prompts)
+                decode = self.cfg.role == "decode"
+                if not self.model.fits(
+                    req.n * prompt if decode else prompt, req.choices if decode else 1, req.max_tokens
+                ):
+                    raise BadRequest(
+                        "prompt and max tokens exceed this server's KV pool of "
+                        f"{self.cfg.max_total_tokens} tokens",
+                        param="max_tokens",
+                        code="exceeds_kv_pool",
+                    )
         except _HttpError as exc:
             return self.error(exc.status, exc.message, code=exc.code)
         except BadRequest as exc:
@@ -333,6 +476,10 @@ class Engine:
                 return self.error(faults.error_status, message, code="injected_fault")
             if faults.hang:
                 await self._stall()
+            if self.runner is not None:
+                if self.cfg.role == "prefill":
+                    return await self._prefill_model(request, req, rid, faults, self.runner)
+                return await self._decode_model(request, req, rid, faults, self.runner)
             if self.cfg.role == "prefill":
                 return await self._prefill(request, req, rid, faults)
             return await self._decode(request, req, rid, faults)
@@ -539,6 +686,247 @@ class Engine:
             # Runs on completion, error and cancellation alike: the slot never leaks.
             release()
 
+    # ---- model mode (--profile) ------------------------------------------------------------
+
+    def _queue_full(self) -> web.Response:
+        # SGLang's answer when --max-queued-requests is reached.
+        return self.error(503, "The request queue is full.", code="queue_full")
+
+    async def _prefill_model(
+        self, request: web.Request, req: GenRequest, rid: str, faults: Faults, runner: BatchRunner
+    ) -> web.StreamResponse:
+        kv_params = req.kv_transfer_params or {}
+        keys: list[str] = []
+        if req.bootstrap_rooms:
+            keys = [str(r) for r in req.bootstrap_rooms]
+        elif kv_params.get("do_remote_decode"):
+            if not self.bootstrap_port:
+                return self.error(400, "this prefill server has no KV bootstrap listener", code="kv_disabled")
+            keys = [f"vllm-{uuid.uuid4().hex}"]
+        for key in keys:
+            self.kv.begin(key)
+        mid = runner.new_id()
+        computed = 0
+        try:
+            # SGLang's bootstrap: nothing is computed before the decode server has attached, which it
+            # does once it holds KV for the request; a full decode server stalls this prefill.
+            if req.bootstrap_rooms and not await self.kv.wait_attached(keys, self.cfg.kv_wait_timeout_s):
+                for key in keys:
+                    self.kv.abort(key)
+                message = (
+                    f"no decode server attached to room(s) {keys} within {self.cfg.kv_wait_timeout_s:g} s"
+                )
+                log.warning("%s: %s", rid, message)
+                return self.error(502, message, code="kv_bootstrap_failed")
+            lookups = [self.cache.lookup_and_insert(p) for p in req.all_prompts]
+            prompt_tokens = sum(lk.prompt_tokens for lk in lookups)
+            cached_tokens = sum(lk.cached_tokens for lk in lookups)
+            uncached = sum(lk.uncached_tokens for lk in lookups)
+            ticket = runner.submit(
+                ModelRequest(
+                    rid=mid,
+                    seqs=1,
+                    prompt_tokens=prompt_tokens,
+                    prompt_kv=prompt_tokens,
+                    prefill_tokens=uncached,
+                    max_new_tokens=1,
+                )
+            )
+            self.prompt_tokens_total.inc(prompt_tokens)
+            self.cached_tokens_total.inc(cached_tokens)
+            self.prompt_tokens_seen += prompt_tokens
+            self.cached_tokens_seen += cached_tokens
+            await ticket.done
+            computed = max(1, uncached)
+            for i, key in enumerate(keys):
+                # The prefill is computed once: its tokens go with the first room.
+                self.kv.finish(key, prompt_tokens, computed if i == 0 else 0)
+        except QueueFull:
+            for key in keys:
+                self.kv.abort(key)
+            return self._queue_full()
+        except BaseException:
+            r = self.model.get(mid) if self.model is not None else None
+            spent = r.computed if r is not None else computed
+            if keys:
+                for i, key in enumerate(keys):
+                    self.kv.abort(key, spent if i == 0 else 0)
+            else:
+                self.prefill_wasted_tokens += spent
+            raise
+        finally:
+            runner.cancel(mid)
+        extra: dict[str, Any] | None = None
+        if keys and not req.bootstrap_rooms:
+            n_blocks = -(-prompt_tokens // self.cfg.cache_block_tokens)
+            extra = {
+                "kv_transfer_params": {
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "remote_engine_id": self.engine_id,
+                    "remote_block_ids": list(range(n_blocks)),
+                    "remote_host": self.cfg.advertise_host,
+                    "remote_port": self.bootstrap_port,
+                    "remote_request_id": keys[0],
+                    "tp_size": 1,
+                }
+            }
+        total = min(1, req.max_tokens)
+        self.tokens_total.inc(total)
+        per_prompt = tuple((lk.prompt_tokens, lk.cached_tokens) for lk in lookups)
+        return await self._respond(
+            request, req, rid, prompt_tokens, cached_tokens, total, extra, faults, per_prompt=per_prompt
+        )
+
+    async def _decode_model(
+        self, request: web.Request, req: GenRequest, rid: str, faults: Faults, runner: BatchRunner
+    ) -> web.StreamResponse:
+        if req.max_tokens == 0:
+            return await self._decode(request, req, rid, faults)  # nothing to batch
+        kv_params = req.kv_transfer_params or {}
+        remote: tuple[str, int, str] | None = None
+        if not req.bootstrap_rooms and kv_params.get("do_remote_prefill"):
+            host_v, port_v, key = (
+                kv_params.get("remote_host"),
+                kv_params.get("remote_port"),
+                kv_params.get("remote_request_id"),
+            )
+            if not (
+                isinstance(host_v, str) and isinstance(port_v, int) and isinstance(key, str) and port_v > 0
+            ):
+                return self.error(
+                    400,
+                    "kv_transfer_params needs remote_host, remote_port and remote_request_id",
+                    code=None,
+                    param="kv_transfer_params",
+                )
+            remote = (host_v, port_v, key)
+        pd = bool(req.bootstrap_rooms) or remote is not None
+        each = [count_tokens(p) for p in req.all_prompts]
+        prompt_tokens = sum(each)
+        mid = runner.new_id()
+        try:
+            ticket = runner.submit(
+                ModelRequest(
+                    rid=mid,
+                    seqs=req.choices,
+                    prompt_tokens=prompt_tokens,
+                    prompt_kv=req.n * prompt_tokens,
+                    prefill_tokens=0 if pd else prompt_tokens,
+                    max_new_tokens=req.max_tokens,
+                    pd=pd,
+                )
+            )
+        except QueueFull:
+            return self._queue_full()
+        try:
+            if pd:
+                # Preallocation first (SGLang's prealloc queue; vLLM allocates before pulling), then
+                # the attach / pull, then the transfer itself.
+                await ticket.allocated
+                try:
+                    await self._pull_model_kv(req, remote)
+                except KVTransferError as exc:
+                    log.warning("%s: %s", rid, exc)
+                    return self.error(502, str(exc), code="kv_transfer_failed")
+                assert self.cfg.model_mode is not None
+                p, mm = self.cfg.model_mode.profile, self.cfg.model_mode
+                seconds = transfer_time_s(
+                    prompt_tokens, p.kv_bytes_per_token, mm.kv_bandwidth_gbps, p.bootstrap_s
+                )
+                await asyncio.sleep(runner.engine_time(seconds))
+                runner.transferred(mid)
+            per_prompt = tuple((pt, 0) for pt in each)
+            return await self._respond_model(request, req, rid, prompt_tokens, per_prompt, ticket, faults)
+        finally:
+            runner.cancel(mid)  # no-op once finished; otherwise frees the KV and slot at once
+
+    async def _pull_model_kv(self, req: GenRequest, remote: tuple[str, int, str] | None) -> None:
+        if remote is not None:
+            host, port, key = remote
+            # The prefill finished before the router got its response: the room is done or gone.
+            await self._pull_kv(host, port, key, min(0.2, self.cfg.kv_wait_timeout_s), req.choices)
+            return
+        assert req.bootstrap_host is not None and req.bootstrap_port is not None
+        per_room = max(1, req.choices // len(req.bootstrap_rooms))
+        pulls = [
+            asyncio.ensure_future(
+                self._pull_kv(
+                    req.bootstrap_host, req.bootstrap_port, str(room), self.cfg.kv_wait_timeout_s, per_room
+                )
+            )
+            for room in req.bootstrap_rooms
+        ]
+        try:
+            await asyncio.gather(*pulls)
+        finally:
+            for pull in pulls:
+                pull.cancel()
+
+    async def _respond_model(
+        self,
+        request: web.Request,
+        req: GenRequest,
+        rid: str,
+        prompt_tokens: int,
+        per_prompt: tuple[tuple[int, int], ...],
+        ticket: Ticket,
+        faults: Faults,
+    ) -> web.StreamResponse:
+        """As :meth:`_respond`, with the tokens produced by the step loop: each step's tokens are
+        written to the transport from the loop itself (no drain), only the end waits for the client."""
+        prefix = {"generate": "", "completions": "cmpl-", "chat": "chatcmpl-"}[req.api]
+        fmt = Formatter(
+            req=req,
+            rid=prefix + rid if req.api != "generate" else rid,
+            created=int(time.time()),
+            model=req.model or self.cfg.model,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=0,
+            per_prompt=per_prompt if len(per_prompt) > 1 else (),
+        )
+        total, choices = req.max_tokens, req.choices
+        stall_after = faults.hang_after_chunks
+        limit = total if stall_after is None else min(total, stall_after)
+        resp: web.StreamResponse | None = None
+        out: _Out | None = None
+        if req.stream:
+            resp = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "X-Request-Id": rid,
+                }
+            )
+            await resp.prepare(request)
+            entry = request.get("pdsim_log")
+            if entry is not None:
+                entry["status"] = resp.status
+            out = _Out(request, resp)
+            out.send(fmt.start_chunks())
+        counted = sent = 0
+
+        def on_tokens(k: int) -> None:
+            nonlocal counted, sent
+            self.tokens_total.inc(choices * (k - counted))
+            counted = k
+            if out is not None:
+                while sent < min(k, limit):
+                    sent += 1
+                    out.send(fmt.token_chunks(sent, total))
+
+        ticket.on_tokens = on_tokens
+        if ticket.generated:
+            on_tokens(ticket.generated)  # tokens made while the response was being prepared
+        await ticket.done
+        if limit < total:
+            # hang_after_chunks: the first tokens went out, the rest never will (the engine finished them).
+            await self._stall()
+        if resp is not None:
+            await resp.write_eof(_sse_bytes(fmt.end_chunks(total)) + SSE_DONE)
+            return resp
+        return web.json_response(fmt.full_response(total, None), headers={"X-Request-Id": rid})
+
     async def _respond(
         self,
         request: web.Request,
@@ -631,7 +1019,15 @@ class Engine:
     def _waiting(self) -> int:
         # SGLang counts a decode's requests still waiting for their KV (prealloc/transfer queues)
         # as waiting; pdsim's equivalent is a request polling its room.
+        if self.model is not None:
+            return self.model.pending_seqs
         return self.pool.waiting_slots + self.kv_waiting
+
+    def _running(self) -> int:
+        return self.model.running_seqs if self.model is not None else self.pool.running
+
+    def _kv_used(self) -> int:
+        return self.model.kv_used if self.model is not None else self.kv_tokens
 
     def get_load(self) -> list[dict[str, Any]]:
         """SGLang 0.5.x ``GET /get_load``: one GetLoadReqOutput per DP rank."""
@@ -639,31 +1035,31 @@ class Engine:
         return [
             {
                 "dp_rank": 0,
-                "num_reqs": self.pool.running + waiting,
+                "num_reqs": self._running() + waiting,
                 "num_waiting_reqs": waiting,
-                "num_tokens": self.kv_tokens,
+                "num_tokens": self._kv_used(),
             }
         ]
 
     def get_loads(self, include: set[str]) -> dict[str, Any]:
         """SGLang's ``GET /v1/loads`` (v1_loads.py): per-rank loads plus an aggregate."""
-        cfg, pool = self.cfg, self.pool
-        waiting = self._waiting()
-        usage = min(1.0, self.kv_tokens / cfg.max_total_tokens)
+        cfg, m = self.cfg, self.model
+        waiting, running, used = self._waiting(), self._running(), self._kv_used()
+        usage = min(1.0, used / cfg.max_total_tokens)
         prompt, cached = self.prompt_tokens_seen, self.cached_tokens_seen
         load: dict[str, Any] = {
             "dp_rank": 0,
             "timestamp": time.time(),
-            "num_running_reqs": pool.running,
+            "num_running_reqs": running,
             "num_waiting_reqs": waiting,
-            "num_used_tokens": self.kv_tokens,
-            "num_total_tokens": self.kv_tokens,
+            "num_used_tokens": used,
+            "num_total_tokens": used,
             "max_total_num_tokens": cfg.max_total_tokens,
             "token_usage": round(usage, 4),
             "gen_throughput": 0.0,
             "cache_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
             # SGLang reports -1 on a prefill server.
-            "utilization": -1.0 if cfg.role == "prefill" else round(pool.running / pool.capacity, 4),
+            "utilization": -1.0 if cfg.role == "prefill" else round(running / cfg.running_max_req_size, 4),
             "max_running_requests": cfg.running_max_req_size,
         }
         if include & {"all", "disagg"}:
@@ -671,14 +1067,19 @@ class Engine:
                 "mode": cfg.role,
                 "prefill_prealloc_queue_reqs": 0,
                 "prefill_inflight_queue_reqs": len(self.kv) if cfg.role == "prefill" else 0,
-                "decode_prealloc_queue_reqs": 0,
-                "decode_transfer_queue_reqs": self.kv_waiting if cfg.role == "decode" else 0,
+                "decode_prealloc_queue_reqs": m.seqs(Phase.PREALLOC) if m is not None else 0,
+                "decode_transfer_queue_reqs": (
+                    (m.seqs(Phase.TRANSFER) if m is not None else self.kv_waiting)
+                    if cfg.role == "decode"
+                    else 0
+                ),
                 "decode_retracted_queue_reqs": 0,
                 "kv_transfer_speed_gb_s": 0.0,
                 "kv_transfer_latency_ms": 0.0,
             }
         if include & {"all", "queues"}:
-            load["queues"] = {"waiting": pool.waiting_slots, "grammar": 0, "paused": 0, "retracted": 0}
+            queued = m.waiting_seqs if m is not None else self.pool.waiting_slots
+            load["queues"] = {"waiting": queued, "grammar": 0, "paused": 0, "retracted": 0}
         load["num_total_reqs"] = load["num_running_reqs"] + load["num_waiting_reqs"]
         return {
             "timestamp": datetime.now(UTC).isoformat(),
