@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -140,7 +141,8 @@ async def collect(
         try:
             fleet.admission[master_id] = await _admission(http, url, headers)
         except aiohttp.ClientConnectorError as exc:
-            fleet.errors[master_id] = f"cannot connect: {exc.os_error.strerror or exc.os_error}"
+            err = exc.os_error
+            fleet.errors[master_id] = f"cannot connect: {os.strerror(err.errno) if err.errno else err}"
         except TimeoutError:
             fleet.errors[master_id] = "timed out"
         except (aiohttp.ClientError, OSError, ValueError) as exc:

@@ -71,7 +71,7 @@ class Demo:
         self.problems: list[str] = []
         self.waiting: dict[str, object] = {}  # agents' handover state when the failover overran
         self.killed_at: float | None = None  # time.monotonic() of the SIGKILL
-        self.back_at: float | None = None  # when its replacement registered
+        self.back_at: float | None = None  # when its replacement held its share again
 
     def say(self, text: str) -> None:
         print(text, flush=True)
@@ -134,10 +134,10 @@ class Demo:
                 try:
                     # The killed m2's lease lives for its TTL: a new m2 is refused until it expires.
                     c.start_master_when_free(KILLED)
-                    self.back_at = time.monotonic()
                     self.rejoin_s = c.wait_for(lambda: c.full_capacity_held(["m1", "m2"], caps), 15, 0.02)
                 except TimeoutError:
                     self.problems.append("m2 did not get its share back within 15 s")
+                self.back_at = time.monotonic()
                 self.shares["after"] = c.share_table()
         self.say("")
         return load.stop()
@@ -244,8 +244,8 @@ class Demo:
                  f"(429), {len(failed)} failed, of which {len(five_xx)} 5xx "
                  f"({sum(bool(self.from_killed(o)) for o in five_xx)} from the killed master {KILLED})\n"
                  f"failed on {KILLED}: {from_killed['in flight when killed']} in flight when it was killed, "
-                 f"{from_killed['after the kill']} after (refused connections, and 503 while its "
-                 f"replacement waited for the old lease to expire); failed elsewhere: {elsewhere}\n"
+                 f"{from_killed['after the kill']} after it, until its replacement held its share (refused "
+                 f"connections, 503 while the replacement started); other failures: {elsewhere}\n"
                  f"{queued_total:.0f} requests queued inside decode engines")  # fmt: skip
         if self.problems:
             self.say("INVARIANTS VIOLATED:\n  " + "\n  ".join(self.problems))
@@ -254,8 +254,8 @@ class Demo:
         return 0
 
     def from_killed(self, o: Outcome) -> str:
-        """What the killed master had to do with *o*: "in flight when killed", "after the kill" (before
-        its replacement registered), or "" (nothing)."""
+        """What the killed master had to do with *o*: "in flight when killed", "after the kill" (sent
+        to it before its replacement held its share again), or "" (nothing)."""
         at = self.killed_at
         if at is None or o.master != KILLED or o.ended < at:
             return ""
