@@ -501,7 +501,12 @@ def render(doc: dict[str, Any], etcd: str = "") -> str:
         if items:
             parts += ["", f"{title}:"] + [f"  {p['message']}" for p in items]
     n = len(doc["problems"])
-    parts += ["", "status: ok" if not n else f"status: {_count(n, 'problem')}"]
+    if n:
+        parts += ["", f"status: {_count(n, 'problem')}"]
+    elif doc["settling"]:
+        parts += ["", f"status: no confirmed problem ({len(doc['settling'])} seen once, checked again)"]
+    else:
+        parts += ["", "status: ok"]
     return "\n".join(parts)
 
 
