@@ -191,7 +191,7 @@ def model_mode_from_args(args: argparse.Namespace) -> ModelMode | None:
     if args.profile is None:
         given = [f"--{n.replace('_', '-')}" for n in MODEL_FLAGS if getattr(args, n) is not None]
         if given:
-            raise ValueError(f"{', '.join(given)} only apply with --profile")
+            raise ValueError(f"{', '.join(given)}: model-mode flag(s), need --profile")
         return None
     profile = PROFILES[args.profile]
     return ModelMode(

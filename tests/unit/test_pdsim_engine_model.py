@@ -7,6 +7,7 @@ from collections.abc import Hashable
 
 import pytest
 
+from pdsim.batch_runner import BatchRunner
 from pdsim.engine_model import (
     EngineModel,
     ModelConfig,
@@ -122,6 +123,14 @@ def test_core_returns_unscaled_engine_time() -> None:
     m = model()
     m.add(req("a", prompt=100, max_new=1))
     assert m.plan_step() == pytest.approx(COST.base_s + 100 * COST.per_prefill_token_s)
+
+
+def test_adapter_scales_engine_time() -> None:
+    # --time-scale K (and the slow fault) stretch every engine second into K wall seconds.
+    runner = BatchRunner(model(), time_scale=4.0, slow=lambda: 1.5)
+    assert runner.engine_time(0.01) == pytest.approx(0.06)
+    with pytest.raises(ValueError):
+        BatchRunner(model(), time_scale=0.0, slow=lambda: 1.0)
 
 
 def test_transfer_time() -> None:
