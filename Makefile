@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo lint proto proto-check bench bench-peers helm image clean
+.PHONY: venv test demo lint proto proto-check bench bench-peers bench-overload helm image clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,6 +16,8 @@ venv: $(STAMP)
 
 ## Run the whole test suite (unit, integration, cluster, chart). Fetches helm for the chart tests and,
 ## where podman exists, builds the image for the containerised chart demo (skipped without podman).
+## The Prometheus checks need promtool and prometheus (Debian's prometheus package; .ci/run installs
+## it): without them they skip with a message, except in CI where they fail.
 test: $(STAMP)
 	test -x $(BIN)/helm || command -v helm >/dev/null || bash scripts/get-helm.sh $(BIN)
 	if command -v podman >/dev/null; then bash scripts/build-image.sh; \
@@ -53,6 +55,12 @@ bench-peers: $(STAMP)
 	$(BIN)/python bench/proxy_bench.py
 	$(BIN)/python bench/failover_bench.py
 	$(BIN)/python bench/scale_bench.py
+
+## What bounded admission is worth under overload: model-mode engines behind sglang-router (as
+## shipped, tuned, side by side) and pdcoord (1, 2, 4 masters), a load sweep and a burst (about 75 min).
+bench-overload: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	$(BIN)/python bench/overload_bench.py --calibrate
 
 ## Fetch helm (for the chart tests) into the virtual environment.
 helm: $(STAMP)

@@ -1,0 +1,753 @@
+"""Overload: what bounded, prioritised admission is worth, end to end, against sglang-router.
+
+The same fleet of model-mode pdsim engines (``--profile llama3-8b-h100``: a continuous-batch step
+loop, a KV pool in tokens with SGLang's reserve and retraction, decode preallocation before the KV
+transfer; fresh engines for every run) behind each contender:
+
+* ``sgl``: sglang-router 0.3.2 in PD mode as shipped (cache-aware, no limit) — what most users run;
+* ``sgl-tuned``: the same with its limiter set from the fleet: ``--max-concurrent-requests`` = the
+  decode slots, ``--rate-limit-tokens-per-second`` = the fleet's throughput (requests per second the
+  decode slots complete), ``--queue-size`` = one wave of slots, ``--queue-timeout-secs`` = the TTFT SLO;
+* ``sgl-tuned-xN-part`` / ``-whole``: N tuned routers side by side, each given a fixed part of the
+  capacity (``part``) or the whole of it (``whole``: nothing coordinates them);
+* ``pdcoord-N``: pdcoord with N masters (etcd, an agent beside every engine);
+* ablations: ``pdcoord-2-nolimit`` (``--disable-decode-capacity-limit``), ``pdcoord-2-w111`` (class
+  weights 1:1:1), ``pdcoord-1-notarget`` (no ``--admission-target-wait``), ``pdcoord-1-vllm`` (vLLM's
+  protocol on engines and master: where the decode lease idles during the prefill);
+* a ``-skew`` suffix sends 70/20/10 of the sessions to the first routers (70/20/5/5 for four).
+
+Several routers sit behind a load balancer sticky by ``X-Session-Id`` (the load generator hashes the
+session over the weights). The load is the Mooncake FAST'25 conversation trace
+(bench/traces/mooncake-fast25), replayed open-loop: requests arrive at the trace's timestamps scaled
+to the offered rate, prompts are built from one text block per hash id (so prefix caches see the
+trace's sharing), a request that extends an earlier one's blocks continues its session.
+
+Sweep: offered load 0.5x-3x λ*, where λ* is the highest rate at which sglang-router as shipped keeps
+90 % of requests within the SLO (``--calibrate`` measures it; the default is the last measured value),
+plus a burst (1x λ* for 20 s → 2.5x for 60 s → 0.7x for 60 s). SLO: TTFT ≤ 2 s and TPOT ≤ 50 ms,
+in **engine time**: engines run ``--time-scale`` K times slower than the profile so that the fleet
+fits on two cores, the load is offered K times slower, and every time reported is wall time ÷ K.
+
+Reported per run: goodput (requests per second meeting both SLOs), attainment, TTFT/TPOT p50/p99 per
+class (first turns, continuations), sessions whose every turn met the SLO, refusals by class and
+status, retractions/preemptions and recomputed tokens, prefill tokens wasted (computed, then never
+transferred), the engines' peak queue and Σ running vs capacity, for pdcoord the decode slots'
+idle share (leased, not yet running in the engine), and for the burst the time back within the SLO.
+Writes bench/results/overload.json and three plots:
+
+    .venv/bin/python bench/overload_bench.py                  # the sweep and the burst (~1 h)
+    .venv/bin/python bench/overload_bench.py --loads 1.5,2 --contenders sgl,pdcoord-2 --no-burst
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from peers import BENCH, RESULTS, environment, pyplot, write_json
+from proxy_bench import SGLANG_ROUTER_VERSION, ensure_sglang_router, start_sglang_router
+
+from pdcoord.dev.cluster import LocalCluster, scrape_metrics
+from pdcoord.dev.etcd_server import LocalEtcd
+from pdcoord.dev.launcher import ProcessGroup
+
+TRACE = BENCH / "traces" / "mooncake-fast25" / "conversation_trace.jsonl"
+PROFILE = "llama3-8b-h100"
+PREFILLS = {"p1": 8, "p2": 8}
+DECODES = {"d1": 8, "d2": 8}
+MAX_INPUT = 32768
+MAX_OUTPUT = 2048
+# A decode engine's KV pool holds its whole batch at the longest request the replay sends
+# (prompt ≤ MAX_INPUT, answer ≤ MAX_OUTPUT), as an operator sizes --max-running-requests for a pool:
+# what runs inside the cap can never be retracted.
+DECODE_KV_TOKENS = max(DECODES.values()) * (MAX_INPUT + MAX_OUTPUT)
+SLO_TTFT_S = 2.0
+SLO_TPOT_S = 0.05
+DEFAULT_LAMBDA_STAR = 4.0  # engine-time req/s; replaced by --calibrate's measurement
+BURST = ((20.0, 1.0), (60.0, 2.5), (60.0, 0.7))  # (engine seconds, x λ*)
+
+SKEW = {2: (0.7, 0.3), 4: (0.7, 0.2, 0.05, 0.05)}
+
+
+# ---------------------------------------------------------------------------- contenders
+
+
+def contender_spec(name: str) -> dict[str, Any]:
+    """``sgl``, ``sgl-tuned``, ``sgl-tuned-x2-part[-skew]``, ``pdcoord-2[-skew|-nolimit|-w111|…]``."""
+    parts = name.split("-")
+    spec: dict[str, Any] = {"name": name, "skew": "skew" in parts, "routers": 1}
+    if parts[0] == "sgl":
+        spec["kind"] = "sgl"
+        spec["tuned"] = "tuned" in parts
+        for p in parts:
+            if p.startswith("x") and p[1:].isdigit():
+                spec["routers"] = int(p[1:])
+        spec["whole"] = "whole" in parts
+    elif parts[0] == "pdcoord":
+        spec["kind"] = "pdcoord"
+        spec["routers"] = int(parts[1])
+        spec["nolimit"] = "nolimit" in parts
+        spec["w111"] = "w111" in parts
+        spec["target"] = "notarget" not in parts
+        spec["vllm"] = "vllm" in parts
+    else:
+        raise SystemExit(f"--contenders: unknown contender {name!r}")
+    return spec
+
+
+def weights_of(spec: dict[str, Any]) -> list[float]:
+    n = spec["routers"]
+    if spec["skew"] and n in SKEW:
+        return list(SKEW[n])
+    return [1.0 / n] * n
+
+
+def fleet_throughput(args: argparse.Namespace) -> float:
+    """Requests per engine second the decode slots complete: slots ÷ the mean decode time of the
+    replayed requests at a full batch (the profile's step: 5.75 ms + 6 µs per sequence)."""
+    rows = trace_rows(args)
+    mean_out = statistics.mean(min(r["output_length"], MAX_OUTPUT) for r in rows) if rows else 343
+    step_s = 0.0057527 + 6.0e-6 * max(DECODES.values())
+    return sum(DECODES.values()) / (mean_out * step_s)
+
+
+_TRACE_ROWS: list[dict[str, Any]] | None = None
+
+
+def trace_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    global _TRACE_ROWS
+    if _TRACE_ROWS is None:
+        with open(args.trace) as f:
+            _TRACE_ROWS = [json.loads(line) for line in f if line.strip()]
+    return _TRACE_ROWS
+
+
+# ---------------------------------------------------------------------------- engine sampling
+
+
+class Sampler(threading.Thread):
+    """Polls every engine's /metrics (and pdcoord masters' /admission) twice a second."""
+
+    def __init__(self, engines: dict[str, Any], masters: list[Any], period: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.engines = engines
+        self.masters = masters
+        self.period = period
+        self.stop_event = threading.Event()
+        self.samples: list[dict[str, Any]] = []
+        self.t0 = time.monotonic()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.period):
+            row: dict[str, Any] = {"t": time.monotonic() - self.t0, "engines": {}}
+            for name, e in self.engines.items():
+                try:
+                    m = scrape_metrics(e.url, timeout=2.0)
+                except OSError:
+                    continue
+                running = m.get("sglang:num_running_reqs", 0.0)
+                held = (
+                    running
+                    + m.get("sglang:num_queue_reqs", 0.0)
+                    + m.get("sglang:num_decode_prealloc_queue_reqs", 0.0)
+                    + m.get("sglang:num_decode_transfer_queue_reqs", 0.0)
+                )
+                # Queued inside the engine = what it holds beyond its batch cap: a request in
+                # its prealloc or transfer queue within the cap is the PD hand-off, not a queue.
+                row["engines"][name] = {
+                    "running": running,
+                    "held": held,
+                    "queue": max(0.0, held - e.capacity),
+                }
+            leased = 0.0
+            for master in self.masters:
+                try:
+                    with urllib.request.urlopen(master.url + "/admission", timeout=2.0) as r:
+                        adm = json.loads(r.read())
+                    leased += float(adm.get("active", 0))
+                except (OSError, ValueError):
+                    continue
+            row["leased"] = leased
+            self.samples.append(row)
+
+    def stop(self) -> list[dict[str, Any]]:
+        self.stop_event.set()
+        self.join(5)
+        return self.samples
+
+
+def engine_counters(engines: dict[str, Any]) -> dict[str, dict[str, float]]:
+    names = (
+        "sglang:num_retracted_requests_total",
+        "sglang:num_retracted_input_tokens_total",
+        "sglang:num_retracted_output_tokens_total",
+        "vllm:num_preemptions_total",
+        "pdsim_recomputed_tokens_total",
+        "pdsim_queued_total",
+        "pdsim_max_running",
+        "pdsim_max_waiting",
+        "pdsim_capacity",
+        "pdsim_prefill_tokens_total",
+    )
+    out: dict[str, dict[str, float]] = {}
+    for name, e in engines.items():
+        try:
+            m = scrape_metrics(e.url, timeout=3.0)
+        except OSError:
+            continue
+        out[name] = {k: m[k] for k in names if k in m}
+        # the prefill outcome split is labelled: read it separately
+        out[name].update(prefill_outcomes(e.url))
+    return out
+
+
+def prefill_outcomes(url: str) -> dict[str, float]:
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=3.0) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("pdsim_prefill_tokens_total{"):
+            series, _, value = line.rpartition(" ")
+            outcome = series.split('outcome="', 1)[-1].split('"', 1)[0]
+            out[f"prefill_tokens_{outcome}"] = float(value)
+    return out
+
+
+# ---------------------------------------------------------------------------- one run
+
+
+def engine_args(args: argparse.Namespace, role: str, vllm: bool) -> dict[str, Any]:
+    a: dict[str, Any] = {
+        "profile": PROFILE,
+        "time_scale": args.time_scale,
+        "api": "vllm" if vllm else "sglang",
+        "context_length": MAX_INPUT + MAX_OUTPUT + 1024,
+    }
+    if role == "decode":
+        a["max_total_tokens"] = DECODE_KV_TOKENS
+    return a
+
+
+def run_one(
+    spec: dict[str, Any],
+    args: argparse.Namespace,
+    *,
+    rate: float,
+    schedule: str | None,
+    duration_e: float,
+    tag: str,
+    sgl_py: str | None,
+) -> dict[str, Any]:
+    """Start a fresh fleet and ``spec``'s routers, replay the trace at ``rate`` (engine req/s)."""
+    k = args.time_scale
+    log_dir = tempfile.mkdtemp(prefix=f"pdcoord-overload-{spec['name']}-")
+    out_file = Path(log_dir) / "records.jsonl"
+    vllm = bool(spec.get("vllm"))
+    with contextlib.ExitStack() as stack:
+        # exits in reverse: the processes first, etcd last
+        etcd = None
+        if spec["kind"] == "pdcoord":
+            etcd = stack.enter_context(LocalEtcd(log_path=f"{log_dir}/etcd.log"))
+        group = stack.enter_context(ProcessGroup(log_dir))
+        if True:
+            c = LocalCluster(group, etcd.endpoint if etcd else "", f"overload-{tag}")
+            engines: dict[str, Any] = {}
+            capacities = {**PREFILLS, **DECODES}
+            for name, cap in capacities.items():
+                role = "prefill" if name.startswith("p") else "decode"
+                ea = engine_args(args, role, vllm)
+                if spec["kind"] == "pdcoord":
+                    engines[name] = c.start_node(name, role, cap, fast=False, engine_args=ea)
+                else:
+                    engines[name] = c.start_engine(name, role, cap, fast=False, **ea)
+            urls: list[str] = []
+            masters: list[Any] = []
+            weights = weights_of(spec)
+            if spec["kind"] == "pdcoord":
+                ids = [f"m{i + 1}" for i in range(spec["routers"])]
+                extra: dict[str, Any] = {"model": "pdsim-model"}
+                if spec["nolimit"]:
+                    extra["disable_decode_capacity_limit"] = True
+                if spec["w111"]:
+                    extra["admission_weights"] = "1:1:1"
+                if spec["target"] and args.target_wait:
+                    extra["admission_target_wait"] = f"{args.target_wait * k:g}"
+                if vllm:
+                    extra["engine_protocol"] = "vllm"
+                for mid in ids:
+                    masters.append(c.start_master(mid, **extra))
+                c.wait_for(lambda: c.full_capacity_held(ids, capacities), timeout=90)
+                urls = [m.url for m in masters]
+            else:
+                assert sgl_py is not None
+                n = spec["routers"]
+                slots = sum(DECODES.values())
+                thr = fleet_throughput(args) / k  # wall req/s
+                for i in range(n):
+                    flags: list[str] = []
+                    if spec["tuned"]:
+                        part = 1.0 if spec["whole"] else weights[i]
+                        conc = max(1, round(slots * part))
+                        flags = [
+                            "--max-concurrent-requests", str(conc),
+                            "--rate-limit-tokens-per-second", f"{max(0.1, thr * part):.2f}",
+                            "--queue-size", str(conc),
+                            "--queue-timeout-secs", str(max(1, math.ceil(SLO_TTFT_S * k))),
+                        ]  # fmt: skip
+                    prefills = [engines[p] for p in PREFILLS]
+                    decodes = [engines[d] for d in DECODES]
+                    url, _pid, err = start_sglang_router(
+                        group,
+                        sgl_py,
+                        prefills[0],
+                        decodes[0],
+                        decodes[1:],
+                        extra_prefill=prefills[1:],
+                        args=flags,
+                        name=f"sglang-router-{i + 1}",
+                    )
+                    if err or url is None:
+                        raise RuntimeError(f"sglang-router did not start: {err}")
+                    urls.append(url)
+            sampler = Sampler(engines, masters)
+            sampler.start()
+            cmd = [
+                sys.executable, "-m", "pdcoord.dev.loadgen", "open",
+                "--targets", ",".join(urls), "--weights", ",".join(f"{w:g}" for w in weights),
+                "--trace", str(args.trace), "--max-input-tokens", str(MAX_INPUT),
+                "--rate", f"{rate:.4f}", "--duration", f"{duration_e:.1f}",
+                "--request-timeout", f"{args.client_timeout:.1f}",
+                "--time-scale", f"{k:g}", "--seed", str(args.seed), "--out", str(out_file),
+                "--model", "pdsim-model",
+            ]  # fmt: skip
+            if schedule:
+                cmd += ["--schedule", schedule]
+            started = time.monotonic()
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_e * k * 3 + 600)
+            wall = time.monotonic() - started
+            samples = sampler.stop()
+            if proc.returncode != 0:
+                raise RuntimeError(f"loadgen failed ({proc.returncode}): {proc.stderr[-3000:]}")
+            counters = engine_counters(engines)
+    records = [json.loads(line) for line in out_file.read_text().splitlines() if line.strip()]
+    return {
+        "records": records,
+        "samples": samples,
+        "counters": counters,
+        "wall_s": round(wall, 1),
+        "log_dir": log_dir,
+    }
+
+
+# ---------------------------------------------------------------------------- analysis
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    vals = sorted(values)
+    idx = min(len(vals) - 1, max(0, math.ceil(q / 100.0 * len(vals)) - 1))
+    return round(vals[idx], 3)
+
+
+def is_ok(r: dict[str, Any]) -> bool:
+    return r.get("status") == 200 and not r.get("error_code") and (r.get("output_tokens") or 0) > 0
+
+
+def met_slo(r: dict[str, Any], k: float) -> bool:
+    if not is_ok(r) or r.get("ttft_s") is None:
+        return False
+    if r["ttft_s"] / k > SLO_TTFT_S:
+        return False
+    tpot = r.get("tpot_s")
+    return tpot is None or tpot / k <= SLO_TPOT_S
+
+
+def klass(r: dict[str, Any]) -> str:
+    return "continuation" if r.get("is_continuation") else "first_turn"
+
+
+def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
+    recs = run["records"]
+    measured = [r for r in recs if r.get("t_send", 0.0) / k < duration_e]
+    met = [r for r in measured if met_slo(r, k)]
+    by_class: dict[str, Any] = {}
+    for c in ("first_turn", "continuation"):
+        rs = [r for r in measured if klass(r) == c]
+        ok = [r for r in rs if is_ok(r) and r.get("ttft_s") is not None]
+        ttft = [r["ttft_s"] / k for r in ok]
+        tpot = [r["tpot_s"] / k for r in ok if r.get("tpot_s") is not None]
+        refused: dict[str, int] = defaultdict(int)
+        for r in rs:
+            if not is_ok(r):
+                refused[str(r.get("status"))] += 1
+        by_class[c] = {
+            "requests": len(rs),
+            "ok": len(ok),
+            "met_slo": sum(1 for r in rs if met_slo(r, k)),
+            "ttft_p50_s": pct(ttft, 50),
+            "ttft_p99_s": pct(ttft, 99),
+            "tpot_p50_s": pct(tpot, 50),
+            "tpot_p99_s": pct(tpot, 99),
+            "not_ok_by_status": dict(sorted(refused.items())),
+        }
+    sessions: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in measured:
+        if r.get("session_id"):
+            sessions[r["session_id"]].append(r)
+    multi = {s: rs for s, rs in sessions.items() if len(rs) > 1}
+    counters = run["counters"]
+
+    def total(key: str, names: Any = None) -> float:
+        return sum(v.get(key, 0.0) for n, v in counters.items() if names is None or n in names)
+
+    dec = set(DECODES)
+    peak_queue = 0.0
+    sum_running_max = 0.0
+    idle_shares: list[float] = []
+    for s in run["samples"]:
+        eng = s["engines"]
+        peak_queue = max(peak_queue, sum(eng[n]["queue"] for n in eng if n in dec))
+        running = sum(eng[n]["running"] for n in eng if n in dec)
+        sum_running_max = max(sum_running_max, running)
+        if s.get("leased", 0) > 0:
+            idle_shares.append(max(0.0, 1.0 - running / s["leased"]))
+    statuses: dict[str, int] = defaultdict(int)
+    for r in measured:
+        statuses[str(r.get("status"))] += 1
+    return {
+        "requests": len(measured),
+        "goodput_rps": round(len(met) / duration_e, 3),
+        "attainment": round(len(met) / len(measured), 3) if measured else None,
+        "throughput_rps": round(sum(1 for r in measured if is_ok(r)) / duration_e, 3),
+        "by_class": by_class,
+        "statuses": dict(sorted(statuses.items())),
+        "sessions_multi_turn": len(multi),
+        "sessions_all_turns_met": sum(1 for rs in multi.values() if all(met_slo(r, k) for r in rs)),
+        "retractions": total("sglang:num_retracted_requests_total"),
+        "preemptions": total("vllm:num_preemptions_total"),
+        "recomputed_tokens": total("pdsim_recomputed_tokens_total"),
+        "prefill_tokens_wasted": total("prefill_tokens_wasted"),
+        "prefill_tokens_transferred": total("prefill_tokens_transferred"),
+        "engine_queued_total": total("pdsim_queued_total", dec),
+        "engine_peak_queue": peak_queue,
+        "engine_peak_waiting": max(
+            (counters[n].get("pdsim_max_waiting", 0.0) for n in dec if n in counters), default=0.0
+        ),
+        "sum_running_peak": sum_running_max,
+        "engine_max_running": {n: counters[n].get("pdsim_max_running") for n in dec if n in counters},
+        "decode_capacity": sum(DECODES.values()),
+        "decode_idle_share_of_leases": round(statistics.mean(idle_shares), 3) if idle_shares else None,
+        "wall_s": run["wall_s"],
+    }
+
+
+def burst_series(run: dict[str, Any], k: float, window_e: float = 5.0) -> dict[str, Any]:
+    recs = run["records"]
+    end_e = sum(d for d, _ in BURST)
+    burst_end = BURST[0][0] + BURST[1][0]
+    rows = []
+    t = 0.0
+    while t < end_e:
+        rs = [r for r in recs if t <= r.get("t_send", 0.0) / k < t + window_e]
+        met = sum(1 for r in rs if met_slo(r, k))
+        refused = sum(1 for r in rs if r.get("status") in (429, 503))
+        rows.append(
+            {
+                "t": t,
+                "offered": len(rs),
+                "met": met,
+                "refused": refused,
+                "attainment_of_admitted": round(met / max(1, len(rs) - refused), 3) if rs else None,
+                "attainment": round(met / len(rs), 3) if rs else None,
+            }
+        )
+        t += window_e
+    # engine queue per sample (engine time)
+    queue = [
+        {"t": round(s["t"] / k, 2), "queue": sum(e["queue"] for n, e in s["engines"].items() if n in DECODES)}
+        for s in run["samples"]
+    ]
+
+    def back_after(key: str) -> float | None:
+        """Engine seconds from the burst's end to the first of two windows in a row in which 90 %
+        of the requests sent meet the SLO (``attainment``: of all offered — the load after the burst
+        is below capacity, so everything can be served; ``attainment_of_admitted``: of those not
+        refused)."""
+        for i, row in enumerate(rows):
+            if row["t"] < burst_end:
+                continue
+            ok_now = row[key] is not None and row[key] >= 0.9
+            nxt = rows[i + 1] if i + 1 < len(rows) else None
+            if ok_now and (nxt is None or (nxt[key] or 0) >= 0.9):
+                return float(row["t"] - burst_end)
+        return None
+
+    return {
+        "windows": rows,
+        "engine_queue": queue,
+        "back_within_slo_s": back_after("attainment"),
+        "admitted_back_within_slo_s": back_after("attainment_of_admitted"),
+    }
+
+
+# ---------------------------------------------------------------------------- plots and table
+
+
+def plot(results: dict[str, Any]) -> list[str]:
+    plt = pyplot()
+    if plt is None:
+        return []
+    files = []
+    sweep = results["sweep"]
+    contenders = sorted({r["contender"] for r in sweep}, key=lambda c: (not c.startswith("pdcoord"), c))
+    for metric, ylabel, fname, logy in (
+        ("goodput_rps", "goodput (req/s within SLO, engine time)", "overload_goodput.png", False),
+        ("cont_p99", "continuation turns: p99 TTFT (s, engine time)", "overload_cont_ttft.png", True),
+    ):
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for c in contenders:
+            pts = sorted((r["load"], value_of(r, metric)) for r in sweep if r["contender"] == c)
+            pts = [(x, y) for x, y in pts if y is not None]
+            if pts:
+                style = "-o" if c.startswith("pdcoord") else "--s"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=c)
+        ax.set_xlabel("offered load (x λ*)")
+        ax.set_ylabel(ylabel)
+        if metric == "cont_p99":
+            ax.axhline(SLO_TTFT_S, color="grey", lw=0.8, ls=":")
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = RESULTS / fname
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(str(path.relative_to(BENCH.parent)))
+    if results.get("burst"):
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+        for c, b in results["burst"].items():
+            w = b["series"]["windows"]
+            ax1.plot([r["t"] for r in w], [r["attainment"] for r in w], label=c)
+            q = b["series"]["engine_queue"]
+            ax2.plot([r["t"] for r in q], [r["queue"] for r in q], label=c)
+        for ax in (ax1, ax2):
+            ax.axvspan(BURST[0][0], BURST[0][0] + BURST[1][0], color="orange", alpha=0.1)
+            ax.grid(alpha=0.3)
+        ax1.set_ylabel("share of offered requests within SLO")
+        ax2.set_ylabel("requests queued inside decode engines")
+        ax2.set_xlabel("engine time (s); burst 2.5x λ* shaded")
+        ax1.legend(fontsize=8)
+        fig.tight_layout()
+        path = RESULTS / "overload_burst.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(str(path.relative_to(BENCH.parent)))
+    return files
+
+
+def value_of(row: dict[str, Any], metric: str) -> float | None:
+    if metric == "cont_p99":
+        v = row["by_class"]["continuation"]["ttft_p99_s"]
+        return float(v) if v is not None else None
+    v = row.get(metric)
+    return float(v) if v is not None else None
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        "| contender | load x λ* | goodput req/s | attainment | first turns p99 TTFT "
+        "| continuations p99 TTFT | not served (count x status) | engine peak queue | retractions "
+        "| wasted prefill tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(results["sweep"], key=lambda r: (r["load"], r["contender"])):
+        refused = " ".join(f"{v}x{s}" for s, v in r["statuses"].items() if s != "200") or "0"
+        ft, co = r["by_class"]["first_turn"], r["by_class"]["continuation"]
+        lines.append(
+            f"| {r['contender']} | {r['load']:g} | {r['goodput_rps']:.2f} | {r['attainment']} "
+            f"| {ft['ttft_p99_s']} | {co['ttft_p99_s']} | {refused} | {r['engine_peak_queue']:.0f} "
+            f"| {r['retractions']:.0f} | {r['prefill_tokens_wasted']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--contenders",
+        default="sgl,sgl-tuned,sgl-tuned-x2-part,pdcoord-1,pdcoord-2",
+    )
+    p.add_argument(
+        "--extra-contenders",
+        default="sgl-tuned-x2-whole,pdcoord-4,pdcoord-2-nolimit,pdcoord-2-w111,sgl-tuned-x4-part-skew,"
+        "pdcoord-4-skew,pdcoord-1-vllm,pdcoord-1-notarget",
+        help="run at --extra-loads only",
+    )
+    p.add_argument("--loads", default="0.5,1,1.5,2,3", help="offered load, multiples of λ*")
+    p.add_argument("--extra-loads", default="1.5,2")
+    p.add_argument("--burst-contenders", default="sgl,sgl-tuned,pdcoord-1,pdcoord-2")
+    p.add_argument("--no-burst", action="store_true")
+    p.add_argument("--lambda-star", type=float, default=None, help="engine req/s (default: last measured)")
+    p.add_argument("--calibrate", action="store_true", help="measure λ* on sglang-router as shipped first")
+    p.add_argument("--duration", type=float, default=60.0, help="engine seconds of offered load per point")
+    p.add_argument("--time-scale", type=float, default=1.0, help="engines run this many times slower")
+    p.add_argument("--client-timeout", type=float, default=20.0, help="engine seconds a client waits")
+    p.add_argument("--target-wait", type=float, default=1.0,
+                   help="pdcoord --admission-target-wait, engine seconds (0: off)")  # fmt: skip
+    p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", default="overload.json")
+    args = p.parse_args()
+    k = args.time_scale
+
+    specs = [contender_spec(c) for c in args.contenders.split(",") if c]
+    extra = [contender_spec(c) for c in args.extra_contenders.split(",") if c]
+    sgl_py: str | None = None
+    notes: dict[str, Any] = {}
+    if any(s["kind"] == "sgl" for s in specs + extra):
+        sgl_py, err = ensure_sglang_router()
+        if sgl_py is None:
+            notes["sglang_router_install_error"] = err
+            specs = [s for s in specs if s["kind"] != "sgl"]
+            extra = [s for s in extra if s["kind"] != "sgl"]
+
+    previous: dict[str, Any] = {}
+    prev_path = RESULTS / args.out
+    if prev_path.exists():
+        previous = json.loads(prev_path.read_text())
+    lam = args.lambda_star or previous.get("lambda_star") or DEFAULT_LAMBDA_STAR
+    calibration: list[dict[str, Any]] = []
+    if args.calibrate and sgl_py is not None:
+        # λ*: the highest rate at which the unbounded router keeps 90 % within the SLO.
+        lam_found = None
+        thr = fleet_throughput(args)
+        for frac in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
+            rate = round(thr * frac, 2)
+            run = run_one(contender_spec("sgl"), args, rate=rate, schedule=None,
+                          duration_e=args.duration, tag=f"cal{frac}", sgl_py=sgl_py)  # fmt: skip
+            a = analyse(run, k, args.duration)
+            calibration.append({"rate": rate, "attainment": a["attainment"], "goodput_rps": a["goodput_rps"]})
+            print(f"calibrate rate={rate} attainment={a['attainment']}", flush=True)
+            if a["attainment"] is not None and a["attainment"] >= 0.9:
+                lam_found = rate
+            else:
+                break
+        if lam_found is not None:
+            lam = lam_found
+    print(
+        f"λ* = {lam} req/s (engine time); fleet decode throughput ≈ {fleet_throughput(args):.2f}", flush=True
+    )
+
+    sweep: list[dict[str, Any]] = []
+    plan = [(s, x) for x in [float(v) for v in args.loads.split(",") if v] for s in specs]
+    plan += [(s, x) for x in [float(v) for v in args.extra_loads.split(",") if v] for s in extra]
+    for spec, x in plan:
+        t0 = time.monotonic()
+        try:
+            run = run_one(spec, args, rate=lam * x, schedule=None, duration_e=args.duration,
+                          tag=f"{spec['name']}-{x}", sgl_py=sgl_py)  # fmt: skip
+        except Exception as exc:  # one broken run must not lose the others
+            print(f"{spec['name']} @ {x}: FAILED {exc}", flush=True)
+            notes.setdefault("failed_runs", []).append(f"{spec['name']}@{x}: {exc}"[:2000])
+            continue
+        row = {
+            "contender": spec["name"],
+            "load": x,
+            "rate_rps": round(lam * x, 3),
+            **analyse(run, k, args.duration),
+        }
+        sweep.append(row)
+        print(
+            f"{spec['name']:>24} @ {x:>4}x goodput={row['goodput_rps']:.2f} att={row['attainment']} "
+            f"cont_p99={row['by_class']['continuation']['ttft_p99_s']} "
+            f"queue_peak={row['engine_peak_queue']:.0f} "
+            f"retract={row['retractions']:.0f} ({time.monotonic() - t0:.0f}s)",
+            flush=True,
+        )
+        write_json(args.out, {"partial": True, "lambda_star": lam, "sweep": sweep, "notes": notes})
+
+    burst: dict[str, Any] = {}
+    if not args.no_burst:
+        t_acc = 0.0
+        pieces = []
+        for d, mult in BURST:
+            pieces.append(f"{t_acc:g}:{t_acc + d:g}:{mult:g}")
+            t_acc += d
+        schedule = ",".join(pieces)
+        for name in [c for c in args.burst_contenders.split(",") if c]:
+            spec = contender_spec(name)
+            if spec["kind"] == "sgl" and sgl_py is None:
+                continue
+            try:
+                run = run_one(spec, args, rate=lam, schedule=schedule, duration_e=t_acc,
+                              tag=f"burst-{name}", sgl_py=sgl_py)  # fmt: skip
+            except Exception as exc:
+                notes.setdefault("failed_runs", []).append(f"burst {name}: {exc}"[:2000])
+                continue
+            series = burst_series(run, k)
+            burst[name] = {"summary": analyse(run, k, t_acc), "series": series}
+            print(
+                f"burst {name}: back within SLO after {series['back_within_slo_s']} s "
+                f"(admitted: {series['admitted_back_within_slo_s']} s)",
+                flush=True,
+            )
+
+    results = {
+        "benchmark": "overload",
+        "environment": environment(),
+        "sglang_router_version": SGLANG_ROUTER_VERSION if sgl_py else None,
+        "config": {
+            "profile": PROFILE,
+            "time_scale": k,
+            "prefill": PREFILLS,
+            "decode": DECODES,
+            "decode_kv_tokens": DECODE_KV_TOKENS,
+            "max_input_tokens": MAX_INPUT,
+            "slo_ttft_s": SLO_TTFT_S,
+            "slo_tpot_s": SLO_TPOT_S,
+            "duration_engine_s": args.duration,
+            "client_timeout_engine_s": args.client_timeout,
+            "target_wait_engine_s": args.target_wait,
+            "burst": BURST,
+            "trace": str(args.trace.relative_to(BENCH.parent))
+            if args.trace.is_relative_to(BENCH.parent)
+            else str(args.trace),
+            "fleet_decode_throughput_rps": round(fleet_throughput(args), 3),
+            "times": "engine time (wall ÷ time_scale)",
+        },
+        "lambda_star": lam,
+        "calibration": calibration or previous.get("calibration", []),
+        "sweep": sweep,
+        "burst": burst,
+        "notes": notes,
+    }
+    results["plots"] = plot(results)
+    path = write_json(args.out, results)
+    print(table(results))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
