@@ -942,7 +942,9 @@ def open_arrivals(args: argparse.Namespace) -> tuple[Iterable[Arrival], dict[str
         speed = args.speed or 1.0
         if args.rate:
             speed = args.rate / (n / span)
-        reqs = load_trace(args.trace, args.trace_start, args.duration * speed)
+        # The trace time the run consumes: a schedule above 1x replays more of it (a burst), not
+        # the same window faster and then nothing.
+        reqs = load_trace(args.trace, args.trace_start, schedule.cumulative(args.duration) * speed)
         info = {"source": "trace", "trace": args.trace, "speed": speed, "trace_requests": len(reqs),
                 "continuations": sum(1 for r in reqs if r.turn > 0)}  # fmt: skip
         return trace_arrivals(reqs, speed=speed, schedule=schedule, max_input_tokens=args.max_input_tokens,

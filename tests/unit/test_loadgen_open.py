@@ -28,6 +28,8 @@ from pdcoord.dev.loadgen import (
     OpenLoopConfig,
     RequestRecord,
     main,
+    open_arrivals,
+    open_parser,
     summarize,
 )
 from pdcoord.dev.netutil import free_port
@@ -190,6 +192,31 @@ def test_the_shipped_mooncake_trace() -> None:
     assert all(r.hash_ids[0] == 0 for r in reqs)
     for name in ("LICENSE", "README.md", "NOTICE"):
         assert (MOONCAKE.parent / name).is_file()
+
+
+def test_a_burst_replays_more_of_the_trace_not_the_same_window_faster() -> None:
+    """A schedule above 1x consumes trace time faster: the replayed window must cover the whole
+    run (a burst once used up its window two thirds of the way through and sent nothing more)."""
+    args = open_parser().parse_args(
+        [
+            "--targets",
+            "http://127.0.0.1:1",
+            "--trace",
+            str(MOONCAKE),
+            "--rate",
+            "4",
+            "--duration",
+            "140",
+            "--schedule",
+            "0:20:1,20:80:2.5,80:140:0.7",
+        ]
+    )
+    arrivals = list(open_arrivals(args)[0])
+    times = [a.at_s for a in arrivals]
+    assert max(times) > 130  # arrivals until the end of the run
+    after = [t for t in times if 80 <= t < 140]
+    during = [t for t in times if 20 <= t < 80]
+    assert len(during) > 2 * len(after) > 0  # 2.5x during the burst, 0.7x after it
 
 
 # ---------------------------------------------------------------------------- synthetic sessions
