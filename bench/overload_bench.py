@@ -232,6 +232,15 @@ def prefill_outcomes(url: str) -> dict[str, float]:
 # ---------------------------------------------------------------------------- one run
 
 
+def workload_args(args: argparse.Namespace) -> list[str]:
+    if args.workload == "synthetic":
+        # Multi-turn sessions (the load generator's defaults: 2-6 turns, 10 s think time, a 2k-token
+        # system prompt shared by a few sessions, answers of 80-350 tokens, 10 % with n = 4): most
+        # requests are continuations, which the trace's short windows hardly hold.
+        return ["--synthetic"]
+    return ["--trace", str(args.trace), "--max-input-tokens", str(MAX_INPUT)]
+
+
 def engine_args(args: argparse.Namespace, role: str, vllm: bool) -> dict[str, Any]:
     a: dict[str, Any] = {
         "profile": PROFILE,
@@ -306,7 +315,7 @@ def run_one(
                         conc = max(1, round(slots * part))
                         flags = [
                             "--max-concurrent-requests", str(conc),
-                            "--rate-limit-tokens-per-second", f"{max(0.1, thr * part):.2f}",
+                            "--rate-limit-tokens-per-second", str(max(1, round(thr * part))),
                             "--queue-size", str(conc),
                             "--queue-timeout-secs", str(max(1, math.ceil(SLO_TTFT_S * k))),
                         ]  # fmt: skip
@@ -330,7 +339,7 @@ def run_one(
             cmd = [
                 sys.executable, "-m", "pdcoord.dev.loadgen", "open",
                 "--targets", ",".join(urls), "--weights", ",".join(f"{w:g}" for w in weights),
-                "--trace", str(args.trace), "--max-input-tokens", str(MAX_INPUT),
+                *workload_args(args),
                 "--rate", f"{rate:.4f}", "--duration", f"{duration_e:.1f}",
                 "--request-timeout", f"{args.client_timeout:.1f}",
                 "--time-scale", f"{k:g}", "--seed", str(args.seed), "--out", str(out_file),
@@ -383,10 +392,13 @@ def klass(r: dict[str, Any]) -> str:
     return "continuation" if r.get("is_continuation") else "first_turn"
 
 
-def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
-    recs = run["records"]
+def analyse_records(recs: list[dict[str, Any]], k: float, duration_e: float) -> dict[str, Any]:
+    """What the clients saw (the records of the load generator)."""
     measured = [r for r in recs if r.get("t_send", 0.0) / k < duration_e]
     met = [r for r in measured if met_slo(r, k)]
+    # A sustained overload: the second half of the window, once the engines' queues had time to
+    # build (a cold start flatters an unbounded router: its queue grows for the whole run).
+    half = [r for r in measured if r.get("t_send", 0.0) / k >= duration_e / 2]
     by_class: dict[str, Any] = {}
     for c in ("first_turn", "continuation"):
         rs = [r for r in measured if klass(r) == c]
@@ -412,6 +424,26 @@ def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
         if r.get("session_id"):
             sessions[r["session_id"]].append(r)
     multi = {s: rs for s, rs in sessions.items() if len(rs) > 1}
+    statuses: dict[str, int] = defaultdict(int)
+    for r in measured:
+        statuses[str(r.get("status"))] += 1
+    return {
+        "requests": len(measured),
+        "goodput_rps": round(len(met) / duration_e, 3),
+        "attainment": round(len(met) / len(measured), 3) if measured else None,
+        "goodput_second_half_rps": round(sum(1 for r in half if met_slo(r, k)) / (duration_e / 2), 3),
+        "attainment_second_half": round(sum(1 for r in half if met_slo(r, k)) / len(half), 3)
+        if half
+        else None,
+        "throughput_rps": round(sum(1 for r in measured if is_ok(r)) / duration_e, 3),
+        "by_class": by_class,
+        "statuses": dict(sorted(statuses.items())),
+        "sessions_multi_turn": len(multi),
+        "sessions_all_turns_met": sum(1 for rs in multi.values() if all(met_slo(r, k) for r in rs)),
+    }
+
+
+def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
     counters = run["counters"]
 
     def total(key: str, names: Any = None) -> float:
@@ -428,18 +460,8 @@ def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
         sum_running_max = max(sum_running_max, running)
         if s.get("leased", 0) > 0:
             idle_shares.append(max(0.0, 1.0 - running / s["leased"]))
-    statuses: dict[str, int] = defaultdict(int)
-    for r in measured:
-        statuses[str(r.get("status"))] += 1
     return {
-        "requests": len(measured),
-        "goodput_rps": round(len(met) / duration_e, 3),
-        "attainment": round(len(met) / len(measured), 3) if measured else None,
-        "throughput_rps": round(sum(1 for r in measured if is_ok(r)) / duration_e, 3),
-        "by_class": by_class,
-        "statuses": dict(sorted(statuses.items())),
-        "sessions_multi_turn": len(multi),
-        "sessions_all_turns_met": sum(1 for rs in multi.values() if all(met_slo(r, k) for r in rs)),
+        **analyse_records(run["records"], k, duration_e),
         "retractions": total("sglang:num_retracted_requests_total"),
         "preemptions": total("vllm:num_preemptions_total"),
         "recomputed_tokens": total("pdsim_recomputed_tokens_total"),
@@ -455,6 +477,7 @@ def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
         "decode_capacity": sum(DECODES.values()),
         "decode_idle_share_of_leases": round(statistics.mean(idle_shares), 3) if idle_shares else None,
         "wall_s": run["wall_s"],
+        "records_file": str(Path(run["log_dir"]) / "records.jsonl"),
     }
 
 
@@ -519,6 +542,12 @@ def plot(results: dict[str, Any]) -> list[str]:
     contenders = sorted({r["contender"] for r in sweep}, key=lambda c: (not c.startswith("pdcoord"), c))
     for metric, ylabel, fname, logy in (
         ("goodput_rps", "goodput (req/s within SLO, engine time)", "overload_goodput.png", False),
+        (
+            "goodput_second_half_rps",
+            "goodput in the window's 2nd half (req/s within SLO)",
+            "overload_goodput_sustained.png",
+            False,
+        ),
         ("cont_p99", "continuation turns: p99 TTFT (s, engine time)", "overload_cont_ttft.png", True),
     ):
         fig, ax = plt.subplots(figsize=(8, 5))
@@ -573,20 +602,69 @@ def value_of(row: dict[str, Any], metric: str) -> float | None:
 
 def table(results: dict[str, Any]) -> str:
     lines = [
-        "| contender | load x λ* | goodput req/s | attainment | first turns p99 TTFT "
+        "| contender | load x λ* | goodput req/s | goodput, 2nd half | attainment | first turns p99 TTFT "
         "| continuations p99 TTFT | not served (count x status) | engine peak queue | retractions "
         "| wasted prefill tokens |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(results["sweep"], key=lambda r: (r["load"], r["contender"])):
         refused = " ".join(f"{v}x{s}" for s, v in r["statuses"].items() if s != "200") or "0"
         ft, co = r["by_class"]["first_turn"], r["by_class"]["continuation"]
         lines.append(
-            f"| {r['contender']} | {r['load']:g} | {r['goodput_rps']:.2f} | {r['attainment']} "
+            f"| {r['contender']} | {r['load']:g} | {r['goodput_rps']:.2f} "
+            f"| {r.get('goodput_second_half_rps', float('nan')):.2f} | {r['attainment']} "
             f"| {ft['ttft_p99_s']} | {co['ttft_p99_s']} | {refused} | {r['engine_peak_queue']:.0f} "
             f"| {r['retractions']:.0f} | {r['prefill_tokens_wasted']:.0f} |"
         )
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- reanalysis
+
+
+def find_records(row: dict[str, Any], contender: str) -> Path | None:
+    """A run's records: the file the row names, else (rows of an earlier version) the newest run
+    directory of that contender in the temp dir holding as many records as the row counted."""
+    named = row.get("records_file")
+    if named and Path(named).exists():
+        return Path(named)
+    pattern = f"pdcoord-overload-{contender}-"
+    found: list[tuple[float, Path]] = []
+    for d in Path(tempfile.gettempdir()).iterdir():
+        rest = d.name[len(pattern) :]
+        if not d.name.startswith(pattern) or len(rest) != 8 or "-" in rest:
+            continue
+        f = d / "records.jsonl"
+        if f.exists() and sum(1 for line in f.open() if line.strip()) == row["requests"]:
+            found.append((f.stat().st_mtime, f))
+    return max(found)[1] if found else None
+
+
+def reanalyse(path: Path) -> dict[str, Any]:
+    """Recompute what the clients saw from the kept records (the engines' side stays as measured)."""
+    results: dict[str, Any] = json.loads(path.read_text())
+    cfg = results.get("config", {})  # a partial file (a sweep still running) has none: the defaults
+    k, duration = cfg.get("time_scale", 1.0), cfg.get("duration_engine_s", 60.0)
+    for row in results["sweep"]:
+        f = find_records(row, row["contender"])
+        if f is None:
+            print(f"{row['contender']} @ {row['load']}: records not found, kept as is", file=sys.stderr)
+            continue
+        recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        row.update(analyse_records(recs, k, duration))
+        row["records_file"] = str(f)
+    total = sum(d for d, _ in BURST)
+    for name, b in results.get("burst", {}).items():
+        f = find_records(b["summary"], name)
+        if f is None:
+            continue
+        recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        b["summary"].update(analyse_records(recs, k, total))
+        b["summary"]["records_file"] = str(f)
+        queue = b["series"]["engine_queue"]
+        b["series"] = burst_series({"records": recs, "samples": []}, k)
+        b["series"]["engine_queue"] = queue
+    return results
 
 
 # ---------------------------------------------------------------------------- main
@@ -616,10 +694,32 @@ def main() -> None:
     p.add_argument("--target-wait", type=float, default=1.0,
                    help="pdcoord --admission-target-wait, engine seconds (0: off)")  # fmt: skip
     p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument(
+        "--workload",
+        choices=["trace", "synthetic"],
+        default="trace",
+        help="replay --trace, or the load generator's synthetic multi-turn sessions",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default="overload.json")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the sweep points and bursts of --out that this run does not redo",
+    )
+    p.add_argument(
+        "--reanalyse",
+        action="store_true",
+        help="recompute --out's client-side figures from the runs' kept records, redraw, rewrite",
+    )
     args = p.parse_args()
     k = args.time_scale
+    if args.reanalyse:
+        results = reanalyse(RESULTS / args.out)
+        results["plots"] = plot(results)
+        print(table(results))
+        print(f"wrote {write_json(args.out, results)}")
+        return
 
     specs = [contender_spec(c) for c in args.contenders.split(",") if c]
     extra = [contender_spec(c) for c in args.extra_contenders.split(",") if c]
@@ -685,7 +785,10 @@ def main() -> None:
             f"retract={row['retractions']:.0f} ({time.monotonic() - t0:.0f}s)",
             flush=True,
         )
-        write_json(args.out, {"partial": True, "lambda_star": lam, "sweep": sweep, "notes": notes})
+        write_json(
+            args.out.replace(".json", ".partial.json"),
+            {"partial": True, "lambda_star": lam, "sweep": sweep, "notes": notes},
+        )
 
     burst: dict[str, Any] = {}
     if not args.no_burst:
@@ -713,6 +816,12 @@ def main() -> None:
                 flush=True,
             )
 
+    if args.merge and previous:
+        redone = {(r["contender"], r["load"]) for r in sweep}
+        sweep = [r for r in previous.get("sweep", []) if (r["contender"], r["load"]) not in redone] + sweep
+        burst = {**{k: v for k, v in previous.get("burst", {}).items() if k not in burst}, **burst}
+        for key, value in previous.get("notes", {}).items():
+            notes.setdefault(key, value)
     results = {
         "benchmark": "overload",
         "environment": environment(),
@@ -730,6 +839,7 @@ def main() -> None:
             "client_timeout_engine_s": args.client_timeout,
             "target_wait_engine_s": args.target_wait,
             "burst": BURST,
+            "workload": args.workload,
             "trace": str(args.trace.relative_to(BENCH.parent))
             if args.trace.is_relative_to(BENCH.parent)
             else str(args.trace),
