@@ -600,23 +600,71 @@ def value_of(row: dict[str, Any], metric: str) -> float | None:
     return float(v) if v is not None else None
 
 
+def _order(c: str) -> tuple[int, str]:
+    return (0 if c.startswith("sgl") else 1, c)
+
+
 def table(results: dict[str, Any]) -> str:
-    lines = [
-        "| contender | load x λ* | goodput req/s | goodput, 2nd half | attainment | first turns p99 TTFT "
-        "| continuations p99 TTFT | not served (count x status) | engine peak queue | retractions "
-        "| wasted prefill tokens |",
+    """The README's tables: goodput per contender and load; what happened at 1.5x and 2x; the burst."""
+    sweep = results["sweep"]
+    loads = sorted({r["load"] for r in sweep})
+    by = {(r["contender"], r["load"]): r for r in sweep}
+    contenders = sorted({r["contender"] for r in sweep}, key=_order)
+    out = [
+        "Goodput, requests per second within the SLO (engine time): whole window / its second half",
+        "",
+        "| contender | " + " | ".join(f"{x:g} x λ*" for x in loads) + " |",
+        "|---|" + "---|" * len(loads),
+    ]
+    for c in contenders:
+        cells = []
+        for x in loads:
+            r = by.get((c, x))
+            cells.append(
+                "" if r is None else f"{r['goodput_rps']:.2f} / {r.get('goodput_second_half_rps', 0.0):.2f}"
+            )
+        out.append(f"| {c} | " + " | ".join(cells) + " |")
+    out += [
+        "",
+        "| contender | load | attainment | TTFT p50 / p99, first turns | TTFT p99, continuations (n) "
+        "| sessions all within SLO | not served | engine queue peak / requests queued | retractions "
+        "| wasted prefill tokens | leased decode slots idle |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(results["sweep"], key=lambda r: (r["load"], r["contender"])):
-        refused = " ".join(f"{v}x{s}" for s, v in r["statuses"].items() if s != "200") or "0"
-        ft, co = r["by_class"]["first_turn"], r["by_class"]["continuation"]
-        lines.append(
-            f"| {r['contender']} | {r['load']:g} | {r['goodput_rps']:.2f} "
-            f"| {r.get('goodput_second_half_rps', float('nan')):.2f} | {r['attainment']} "
-            f"| {ft['ttft_p99_s']} | {co['ttft_p99_s']} | {refused} | {r['engine_peak_queue']:.0f} "
-            f"| {r['retractions']:.0f} | {r['prefill_tokens_wasted']:.0f} |"
-        )
-    return "\n".join(lines)
+    for x in [v for v in loads if v in (1.5, 2.0)]:
+        for c in contenders:
+            r = by.get((c, x))
+            if r is None:
+                continue
+            ft, co = r["by_class"]["first_turn"], r["by_class"]["continuation"]
+            refused = ", ".join(f"{v} x {s}" for s, v in r["statuses"].items() if s != "200") or "0"
+            # without a limit a lease is granted at once: its "idle" share is the engine's queue
+            idle = None if "nolimit" in c else r.get("decode_idle_share_of_leases")
+            out.append(
+                f"| {c} | {x:g} | {r['attainment']} | {ft['ttft_p50_s']} / {ft['ttft_p99_s']} "
+                f"| {co['ttft_p99_s']} ({co['requests']}) "
+                f"| {r['sessions_all_turns_met']} of {r['sessions_multi_turn']} | {refused} "
+                f"| {r['engine_peak_queue']:.0f} / {r['engine_queued_total']:.0f} | {r['retractions']:.0f} "
+                f"| {r['prefill_tokens_wasted']:.0f} | {'' if idle is None else f'{idle:.0%}'} |"
+            )
+    if results.get("burst"):
+        out += [
+            "",
+            "| contender | back within SLO after the burst (offered / admitted), s | not served "
+            "| engine queue peak |",
+            "|---|---|---|---|",
+        ]
+        for c, b in sorted(results["burst"].items(), key=lambda kv: _order(kv[0])):
+            ser, summ = b["series"], b["summary"]
+            refused = sum(v for s, v in summ["statuses"].items() if s != "200")
+            peak = max((q["queue"] for q in ser["engine_queue"]), default=0.0)
+            back = ser["back_within_slo_s"]
+            back_adm = ser["admitted_back_within_slo_s"]
+            out.append(
+                f"| {c} | {'never' if back is None else back:} / {'never' if back_adm is None else back_adm} "
+                f"| {refused} | {peak:.0f} |"
+            )
+    return "\n".join(out)
 
 
 # ---------------------------------------------------------------------------- reanalysis
@@ -638,6 +686,18 @@ def find_records(row: dict[str, Any], contender: str) -> Path | None:
         if f.exists() and sum(1 for line in f.open() if line.strip()) == row["requests"]:
             found.append((f.stat().st_mtime, f))
     return max(found)[1] if found else None
+
+
+def drop_redone_failures(results: dict[str, Any]) -> None:
+    """Failures of runs that a later --merge run redid are history, not results."""
+    done = {f"{r['contender']}@{r['load']}" for r in results["sweep"]}
+    done |= {f"burst {name}" for name in results.get("burst", {})}
+    notes = results.get("notes", {})
+    kept = [f for f in notes.get("failed_runs", []) if f.split(":", 1)[0] not in done]
+    if kept:
+        notes["failed_runs"] = kept
+    else:
+        notes.pop("failed_runs", None)
 
 
 def reanalyse(path: Path) -> dict[str, Any]:
@@ -664,6 +724,7 @@ def reanalyse(path: Path) -> dict[str, Any]:
         queue = b["series"]["engine_queue"]
         b["series"] = burst_series({"records": recs, "samples": []}, k)
         b["series"]["engine_queue"] = queue
+    drop_redone_failures(results)
     return results
 
 
@@ -725,7 +786,8 @@ def main() -> None:
     extra = [contender_spec(c) for c in args.extra_contenders.split(",") if c]
     sgl_py: str | None = None
     notes: dict[str, Any] = {}
-    if any(s["kind"] == "sgl" for s in specs + extra):
+    bursts = [] if args.no_burst else [contender_spec(c) for c in args.burst_contenders.split(",") if c]
+    if any(s["kind"] == "sgl" for s in specs + extra + bursts):
         sgl_py, err = ensure_sglang_router()
         if sgl_py is None:
             notes["sglang_router_install_error"] = err
@@ -822,6 +884,7 @@ def main() -> None:
         burst = {**{k: v for k, v in previous.get("burst", {}).items() if k not in burst}, **burst}
         for key, value in previous.get("notes", {}).items():
             notes.setdefault(key, value)
+        drop_redone_failures({"sweep": sweep, "burst": burst, "notes": notes})
     results = {
         "benchmark": "overload",
         "environment": environment(),
