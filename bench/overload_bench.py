@@ -634,7 +634,8 @@ def table(results: dict[str, Any]) -> str:
     for x in [v for v in loads if v in (1.5, 2.0)]:
         for c in contenders:
             r = by.get((c, x))
-            if r is None:
+            # the ablations whose story the goodput table and the text tell
+            if r is None or any(tag in c for tag in ("nolimit", "w111", "vllm", "x2-whole")):
                 continue
             ft, co = r["by_class"]["first_turn"], r["by_class"]["continuation"]
             refused = ", ".join(f"{v} x {s}" for s, v in r["statuses"].items() if s != "200") or "0"
