@@ -533,7 +533,8 @@ def burst_series(run: dict[str, Any], k: float, window_e: float = 5.0) -> dict[s
 # ---------------------------------------------------------------------------- plots and table
 
 
-def plot(results: dict[str, Any]) -> list[str]:
+def plot(results: dict[str, Any], stem: str = "overload") -> list[str]:
+    """The plots, named after the results file (``overload.json`` → ``overload_goodput.png`` …)."""
     plt = pyplot()
     if plt is None:
         return []
@@ -541,14 +542,14 @@ def plot(results: dict[str, Any]) -> list[str]:
     sweep = results["sweep"]
     contenders = sorted({r["contender"] for r in sweep}, key=lambda c: (not c.startswith("pdcoord"), c))
     for metric, ylabel, fname, logy in (
-        ("goodput_rps", "goodput (req/s within SLO, engine time)", "overload_goodput.png", False),
+        ("goodput_rps", "goodput (req/s within SLO, engine time)", f"{stem}_goodput.png", False),
         (
             "goodput_second_half_rps",
             "goodput in the window's 2nd half (req/s within SLO)",
-            "overload_goodput_sustained.png",
+            f"{stem}_goodput_sustained.png",
             False,
         ),
-        ("cont_p99", "continuation turns: p99 TTFT (s, engine time)", "overload_cont_ttft.png", True),
+        ("cont_p99", "continuation turns: p99 TTFT (s, engine time)", f"{stem}_cont_ttft.png", True),
     ):
         fig, ax = plt.subplots(figsize=(8, 5))
         for c in contenders:
@@ -585,7 +586,7 @@ def plot(results: dict[str, Any]) -> list[str]:
         ax2.set_xlabel("engine time (s); burst 2.5x λ* shaded")
         ax1.legend(fontsize=8)
         fig.tight_layout()
-        path = RESULTS / "overload_burst.png"
+        path = RESULTS / f"{stem}_burst.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         files.append(str(path.relative_to(BENCH.parent)))
@@ -778,7 +779,7 @@ def main() -> None:
     k = args.time_scale
     if args.reanalyse:
         results = reanalyse(RESULTS / args.out)
-        results["plots"] = plot(results)
+        results["plots"] = plot(results, Path(args.out).stem)
         print(table(results))
         print(f"wrote {write_json(args.out, results)}")
         return
@@ -916,7 +917,7 @@ def main() -> None:
         "burst": burst,
         "notes": notes,
     }
-    results["plots"] = plot(results)
+    results["plots"] = plot(results, Path(args.out).stem)
     path = write_json(args.out, results)
     print(table(results))
     print(f"wrote {path}")
