@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pdsim.batch_runner import BatchRunner, Ticket
-from pdsim.cache import PrefixCache, count_tokens
+from pdsim.cache import CacheLookup, PrefixCache, count_tokens
 from pdsim.engine_model import EngineModel, ModelConfig, ModelRequest, Phase, QueueFull, StepCost
 from pdsim.faults import ErrorDraw, FaultError, Faults, updated
 from pdsim.kvstore import KVStore
@@ -547,6 +547,21 @@ class Engine:
             for key in keys:
                 self.kv.abort(key)
             raise
+        return await self._prefill_answer(request, req, rid, keys, lookups, faults)
+
+    async def _prefill_answer(
+        self,
+        request: web.Request,
+        req: GenRequest,
+        rid: str,
+        keys: list[str],
+        lookups: list[CacheLookup],
+        faults: Faults,
+    ) -> web.StreamResponse:
+        """A prefill server's answer (both modes): one token, unpaced, which the PD router discards;
+        under vLLM's protocol it carries the ``kv_transfer_params`` the decode pulls with."""
+        prompt_tokens = sum(lk.prompt_tokens for lk in lookups)
+        cached_tokens = sum(lk.cached_tokens for lk in lookups)
         extra: dict[str, Any] | None = None
         if keys and not req.bootstrap_rooms:
             n_blocks = -(-prompt_tokens // self.cfg.cache_block_tokens)
@@ -562,7 +577,6 @@ class Engine:
                     "tp_size": 1,
                 }
             }
-        # The prefill's own answer is one token, unpaced: the PD router discards it.
         total = min(1, req.max_tokens)
         self.tokens_total.inc(total)
         per_prompt = tuple((lk.prompt_tokens, lk.cached_tokens) for lk in lookups)
@@ -756,27 +770,7 @@ class Engine:
             raise
         finally:
             runner.cancel(mid)
-        extra: dict[str, Any] | None = None
-        if keys and not req.bootstrap_rooms:
-            n_blocks = -(-prompt_tokens // self.cfg.cache_block_tokens)
-            extra = {
-                "kv_transfer_params": {
-                    "do_remote_prefill": True,
-                    "do_remote_decode": False,
-                    "remote_engine_id": self.engine_id,
-                    "remote_block_ids": list(range(n_blocks)),
-                    "remote_host": self.cfg.advertise_host,
-                    "remote_port": self.bootstrap_port,
-                    "remote_request_id": keys[0],
-                    "tp_size": 1,
-                }
-            }
-        total = min(1, req.max_tokens)
-        self.tokens_total.inc(total)
-        per_prompt = tuple((lk.prompt_tokens, lk.cached_tokens) for lk in lookups)
-        return await self._respond(
-            request, req, rid, prompt_tokens, cached_tokens, total, extra, faults, per_prompt=per_prompt
-        )
+        return await self._prefill_answer(request, req, rid, keys, lookups, faults)
 
     async def _decode_model(
         self, request: web.Request, req: GenRequest, rid: str, faults: Faults, runner: BatchRunner
