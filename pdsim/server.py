@@ -857,6 +857,42 @@ class Engine:
             for pull in pulls:
                 pull.cancel()
 
+    def _formatter(
+        self,
+        req: GenRequest,
+        rid: str,
+        prompt_tokens: int,
+        cached_tokens: int,
+        per_prompt: tuple[tuple[int, int], ...],
+    ) -> Formatter:
+        prefix = {"generate": "", "completions": "cmpl-", "chat": "chatcmpl-"}[req.api]
+        return Formatter(
+            req=req,
+            rid=prefix + rid if req.api != "generate" else rid,
+            created=int(time.time()),
+            model=req.model or self.cfg.model,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
+            per_prompt=per_prompt if len(per_prompt) > 1 else (),
+        )
+
+    async def _open_stream(
+        self, request: web.Request, req: GenRequest, rid: str, fmt: Formatter
+    ) -> tuple[web.StreamResponse | None, _Out | None]:
+        """For a streamed request: send the SSE headers and the first chunks; (None, None) otherwise."""
+        if not req.stream:
+            return None, None
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": rid}
+        )
+        await resp.prepare(request)
+        entry = request.get("pdsim_log")
+        if entry is not None:
+            entry["status"] = resp.status
+        out = _Out(request, resp)
+        out.send(fmt.start_chunks())
+        return resp, out
+
     async def _respond_model(
         self,
         request: web.Request,
@@ -869,35 +905,11 @@ class Engine:
     ) -> web.StreamResponse:
         """As :meth:`_respond`, with the tokens produced by the step loop: each step's tokens are
         written to the transport from the loop itself (no drain), only the end waits for the client."""
-        prefix = {"generate": "", "completions": "cmpl-", "chat": "chatcmpl-"}[req.api]
-        fmt = Formatter(
-            req=req,
-            rid=prefix + rid if req.api != "generate" else rid,
-            created=int(time.time()),
-            model=req.model or self.cfg.model,
-            prompt_tokens=prompt_tokens,
-            cached_tokens=0,
-            per_prompt=per_prompt if len(per_prompt) > 1 else (),
-        )
+        fmt = self._formatter(req, rid, prompt_tokens, 0, per_prompt)
         total, choices = req.max_tokens, req.choices
         stall_after = faults.hang_after_chunks
         limit = total if stall_after is None else min(total, stall_after)
-        resp: web.StreamResponse | None = None
-        out: _Out | None = None
-        if req.stream:
-            resp = web.StreamResponse(
-                headers={
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-cache",
-                    "X-Request-Id": rid,
-                }
-            )
-            await resp.prepare(request)
-            entry = request.get("pdsim_log")
-            if entry is not None:
-                entry["status"] = resp.status
-            out = _Out(request, resp)
-            out.send(fmt.start_chunks())
+        resp, out = await self._open_stream(request, req, rid, fmt)
         counted = sent = 0
 
         def on_tokens(k: int) -> None:
@@ -945,33 +957,9 @@ class Engine:
         waits for the client. A client that went away still ends the request (the closing transport
         raises ``ConnectionResetError``, and aiohttp's handler cancellation cancels it).
         """
-        prefix = {"generate": "", "completions": "cmpl-", "chat": "chatcmpl-"}[req.api]
-        fmt = Formatter(
-            req=req,
-            rid=prefix + rid if req.api != "generate" else rid,
-            created=int(time.time()),
-            model=req.model or self.cfg.model,
-            prompt_tokens=prompt_tokens,
-            cached_tokens=cached_tokens,
-            per_prompt=per_prompt if len(per_prompt) > 1 else (),
-        )
+        fmt = self._formatter(req, rid, prompt_tokens, cached_tokens, per_prompt)
         stall_after = faults.hang_after_chunks
-        resp: web.StreamResponse | None = None
-        out: _Out | None = None
-        if req.stream:
-            resp = web.StreamResponse(
-                headers={
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-cache",
-                    "X-Request-Id": rid,
-                }
-            )
-            await resp.prepare(request)
-            entry = request.get("pdsim_log")
-            if entry is not None:
-                entry["status"] = resp.status
-            out = _Out(request, resp)
-            out.send(fmt.start_chunks())
+        resp, out = await self._open_stream(request, req, rid, fmt)
         if total == 0 and out is not None:
             out.send(fmt.token_chunks(0, 0))
         for k in range(1, total + 1):
