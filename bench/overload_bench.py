@@ -76,7 +76,7 @@ MAX_OUTPUT = 2048
 DECODE_KV_TOKENS = max(DECODES.values()) * (MAX_INPUT + MAX_OUTPUT)
 SLO_TTFT_S = 2.0
 SLO_TPOT_S = 0.05
-DEFAULT_LAMBDA_STAR = 4.0  # engine-time req/s; replaced by --calibrate's measurement
+DEFAULT_LAMBDA_STAR = 4.83  # engine-time req/s, measured by --calibrate (bench/README.md)
 BURST = ((20.0, 1.0), (60.0, 2.5), (60.0, 0.7))  # (engine seconds, x λ*)
 
 SKEW = {2: (0.7, 0.3), 4: (0.7, 0.2, 0.05, 0.05)}
