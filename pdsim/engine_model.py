@@ -96,6 +96,11 @@ class Phase(Enum):
     DONE = "done"
 
 
+# Decode server: sequences whose KV is in and that run or wait for a batch slot. More of them than
+# max_running_seqs means a router put more on this engine than its running_max_req_size.
+_HELD = frozenset({Phase.WAITING, Phase.READY, Phase.RUNNING})
+
+
 @dataclass(eq=False, slots=True)
 class ModelRequest:
     rid: Hashable
@@ -164,6 +169,8 @@ class EngineModel:
         self.retracted_output_tokens = 0
         self.preemptions = 0
         self.recomputed_tokens = 0
+        self.over_capacity_total = 0  # decode: requests that became held beyond max_running_seqs
+        self.held_high_water = 0  # decode: peak of held (waiting + ready + running) sequences
 
     # ---- gauges ------------------------------------------------------------------------------
 
@@ -180,6 +187,12 @@ class EngineModel:
     @property
     def running_seqs(self) -> int:
         return self._seqs_in[Phase.RUNNING]
+
+    @property
+    def held_seqs(self) -> int:
+        """Sequences a router has put on the batch: running or waiting for it with their KV in (a PD
+        request in prealloc or transfer is not held yet)."""
+        return self._seqs_in[Phase.WAITING] + self._seqs_in[Phase.READY] + self._seqs_in[Phase.RUNNING]
 
     @property
     def waiting_seqs(self) -> int:
@@ -325,6 +338,7 @@ class EngineModel:
     # ---- internals ---------------------------------------------------------------------------
 
     def _set_phase(self, r: ModelRequest, phase: Phase) -> None:
+        was_held = r.phase in _HELD
         if r.phase not in (Phase.NEW, Phase.DONE):
             self._reqs_in[r.phase] -= 1
             self._seqs_in[r.phase] -= r.seqs
@@ -332,6 +346,13 @@ class EngineModel:
         if phase is not Phase.DONE:
             self._reqs_in[phase] += 1
             self._seqs_in[phase] += r.seqs
+        if self._decode and phase in _HELD and not was_held:
+            # The over-capacity check: counted when a request becomes held (a retraction moves a
+            # held request from running back to waiting and is not a new arrival).
+            held = self.held_seqs
+            self.held_high_water = max(self.held_high_water, held)
+            if held > self.cfg.max_running_seqs:
+                self.over_capacity_total += 1
 
     def _alloc(self, r: ModelRequest, tokens: int) -> None:
         r.kv += tokens

@@ -99,6 +99,23 @@ class KVTransferError(Exception):
     pass
 
 
+def _capacity_check(over_total: int, high_water: int) -> Iterator[Metric]:
+    """The invariant checker's two series (both modes; always 0 on a prefill server)."""
+    c = CounterMetricFamily(
+        "pdsim_over_capacity",
+        "Decode requests that became held (running or waiting for a batch slot with their KV in) "
+        "while more sequences than running_max_req_size were held: a router over-admitted.",
+    )
+    c.add_metric([], over_total)
+    yield c
+    yield GaugeMetricFamily(
+        "pdsim_held_high_water",
+        "Peak of held sequences (running + waiting for a batch slot) since start; above pdsim_capacity "
+        "means a router over-admitted.",
+        value=high_water,
+    )
+
+
 class _Collector(Collector):
     """Gauges read from the engine's state at scrape time, under both SGLang's and vLLM's names."""
 
@@ -139,6 +156,7 @@ class _Collector(Collector):
         yield gauge("pdsim_waiting_requests", "Requests waiting for slots.", pool.waiting_requests, False)
         yield gauge("pdsim_max_running", "Peak slots in use since start.", pool.max_running, False)
         yield gauge("pdsim_capacity", "running_max_req_size.", pool.capacity, False)
+        yield from _capacity_check(pool.over_capacity_total, pool.held_high_water)
         yield gauge("pdsim_kv_waiting", "Decode slots waiting for their KV transfer.", e.kv_waiting, False)
         yield gauge("pdsim_kv_rooms", "KV transfer rooms held by the bootstrap listener.", len(e.kv), False)
         yield gauge("pdsim_hung_requests", "Requests held open by a hang fault.", e.hung, False)
@@ -219,6 +237,7 @@ class _Collector(Collector):
             False,
         )
         yield gauge("pdsim_capacity", "running_max_req_size.", m.cfg.max_running_seqs, False)
+        yield from _capacity_check(m.over_capacity_total, m.held_high_water)
         yield gauge(
             "pdsim_kv_waiting", "Sequences preallocating or in KV transfer.", prealloc + transfer, False
         )
@@ -244,7 +263,8 @@ class Engine:
         self.cfg = cfg
         self.limits = Limits(cfg.max_n, cfg.context_length, cfg.default_max_tokens)
         self.engine_id = f"pdsim-{uuid.uuid4().hex[:12]}"
-        self.pool = SlotPool(cfg.running_max_req_size)
+        # A prefill server's in-flight limit is its own business, not a coordinated capacity.
+        self.pool = SlotPool(cfg.running_max_req_size, check_capacity=cfg.role == "decode")
         self.cache = PrefixCache(cfg.cache_blocks, cfg.cache_block_tokens)
         self.kv = KVStore(cfg.kv_ttl_s)
         self.kv_tokens = 0

@@ -3,6 +3,13 @@
 A request with n choices needs n slots at once (it joins the batch as one gang). ``queued_total``
 counts every request that could not start the moment it arrived — the number end-to-end tests read
 to prove that the master's admission kept the engine within its limit.
+
+The over-capacity check (decode servers, ``check_capacity``): the pool never *runs* more than
+``capacity`` sequences, it makes the rest wait, so what it checks is what a router *put* on the batch:
+a request is *held* from the moment its KV is in and it asks for slots until it releases them, and
+``over_capacity_total`` counts every request that became held while the held sequences (running +
+waiting for a slot, its own included) exceeded ``capacity`` — a router that admitted more than the
+engine's ``running_max_req_size``. ``held_high_water`` is the peak of held sequences.
 """
 
 from __future__ import annotations
@@ -21,13 +28,16 @@ class _Waiter:
 
 
 class SlotPool:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, check_capacity: bool = True) -> None:
         if capacity <= 0:
             raise ValueError("capacity must be positive")
         self.capacity = capacity
+        self.check_capacity = check_capacity
         self.running = 0
         self.max_running = 0
         self.queued_total = 0
+        self.over_capacity_total = 0  # requests that became held beyond capacity (see the module doc)
+        self.held_high_water = 0  # peak of running + waiting-for-a-slot sequences
         self._waiters: deque[_Waiter] = deque()
         self._waiting_slots = 0
 
@@ -47,6 +57,8 @@ class SlotPool:
         """Wait until n slots are free (FIFO: nobody overtakes an older waiter)."""
         if not 0 < n <= self.capacity:
             raise ValueError(f"a request needs 1..{self.capacity} slots, got {n}")
+        if self.check_capacity:
+            self._check_held(n)
         if not self._waiters and self.running + n <= self.capacity:
             self._take(n)
             return
@@ -65,6 +77,16 @@ class SlotPool:
                 self._waiting_slots -= n
                 self._grant()  # it may have been the head, blocking smaller waiters behind it
             raise
+
+    def _check_held(self, n: int) -> None:
+        held = self.running + self._waiting_slots + n
+        if held > self.capacity:
+            # Rare: recount without waiters whose task was cancelled but has not left the queue yet
+            # (their client went away in this same loop tick; they will never run).
+            held = self.running + n + sum(w.n for w in self._waiters if not w.future.cancelled())
+            if held > self.capacity:
+                self.over_capacity_total += 1
+        self.held_high_water = max(self.held_high_water, held)
 
     def release(self, n: int) -> None:
         if n > self.running:
