@@ -156,6 +156,9 @@ class AdmissionPolicy:
     retry_after_max_s: float = 30.0
     target_wait_s: Mapping[RequestClass, float] | None = None
     rate_window_s: float = 10.0
+    # Two-stage admission (``pdmaster.staged_admission``; not the core's business): the prefill work
+    # that may run beyond the decode capacity, as a fraction of it. 0: one stage.
+    prefill_lookahead: float = 0.0
 
     def __post_init__(self) -> None:
         for c in CLASS_ORDER:
@@ -167,6 +170,8 @@ class AdmissionPolicy:
                 raise ValueError(f"target_wait_s[{c.name}] must be >= 0 (0: off)")
         if not self.rate_window_s > 0:
             raise ValueError("rate_window_s must be > 0")
+        if not 0 <= self.prefill_lookahead <= 1:
+            raise ValueError("prefill_lookahead must be within [0, 1]")
         if not self.queue_waves >= 0 or not self.backfill_waves >= 0:
             raise ValueError("queue_waves and backfill_waves must be >= 0")
         if not 0 < self.retry_after_min_s <= self.retry_after_max_s:
@@ -648,6 +653,19 @@ class AdmissionCore:
     def wanted_slots(self) -> int:
         """Queued demand in slots (what the master reports to agents as ``wanted_slots``)."""
         return self._queued_slots
+
+    def refusal(self, slots: int) -> Reason | None:
+        """Why :meth:`submit` would refuse ``slots`` at once whatever the queue holds (no capacity, or
+        more than any share), or None. Lets an earlier stage refuse before doing work for nothing."""
+        if self._bypass:
+            return None
+        if slots < 1:
+            return self._reason(INVALID)
+        if self._capacity == 0:
+            return self._reason(NO_CAPACITY)
+        if slots > self._max_share:
+            return self._reason(UNSATISFIABLE if slots > self._max_full else CANNOT_FIT_NOW)
+        return None
 
     @property
     def held_until(self) -> float:

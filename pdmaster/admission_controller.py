@@ -472,11 +472,28 @@ def add_admission_flags(parser: argparse.ArgumentParser) -> None:
         "capacity ÷ the live masters",
     )
     g.add_argument(
+        "--prefill-lookahead",
+        type=_fraction,
+        default=0.0,
+        metavar="FRACTION",
+        help="two-stage admission (--engine-protocol vllm only; default 0: off): a request takes its "
+        "decode lease after its prefill, and prefill work up to this fraction of the decode capacity "
+        "may run beyond it, so no decode slot idles while its request prefills "
+        "(pdmaster/staged_admission.py)",
+    )
+    g.add_argument(
         "--admission-backfill-waves",
         type=_non_negative_float,
         default=1.0,
         help="gang backfill budget, decode waves",
     )
+
+
+def _fraction(text: str) -> float:
+    value = _non_negative_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be within [0, 1], got {text!r}")
+    return value
 
 
 def policy_from_args(ns: argparse.Namespace) -> AdmissionPolicy:
@@ -491,4 +508,5 @@ def policy_from_args(ns: argparse.Namespace) -> AdmissionPolicy:
         queue_waves=ns.admission_queue_waves,
         backfill_waves=ns.admission_backfill_waves,
         bypass=ns.disable_decode_capacity_limit,
+        prefill_lookahead=getattr(ns, "prefill_lookahead", 0.0),
     )

@@ -72,6 +72,15 @@ class MasterConfig:
             raise ConfigError("--admin-host needs --admin-port")
         if self.keepalive < MIN_KEEPALIVE_S:
             raise ConfigError(f"--keepalive must be at least {MIN_KEEPALIVE_S:g} s, got {self.keepalive:g}")
+        if self.admission.prefill_lookahead > 0 and self.engine_protocol != "vllm":
+            raise ConfigError(
+                "--prefill-lookahead needs --engine-protocol vllm: with SGLang's protocol the decode "
+                "request goes out with the prefill, so its lease cannot wait for it"
+            )
+        if self.admission.prefill_lookahead > 0 and self.admission.bypass:
+            raise ConfigError(
+                "--prefill-lookahead needs the decode capacity limit (drop --disable-decode-capacity-limit)"
+            )
         if self.breaker.backoff > self.breaker.backoff_max:
             raise ConfigError("--breaker-backoff must not exceed --breaker-backoff-max")
 

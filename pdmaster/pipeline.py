@@ -31,7 +31,7 @@ from collections.abc import Callable, Collection, Sequence
 
 from aiohttp import web
 
-from pdmaster.admission_controller import AdmissionController, AdmissionRejected
+from pdmaster.admission_controller import AdmissionController, AdmissionRejected, Lease
 from pdmaster.context import RequestContext, RequestFailed
 from pdmaster.engine import Dispatch, EngineError, EnginePool, EngineResponse
 from pdmaster.engine.health import EngineBreakers, counts_as_failure
@@ -41,6 +41,7 @@ from pdmaster.metrics import RequestMetrics
 from pdmaster.registry import Node
 from pdmaster.relay import NO_LEASE, relay_body, relay_parts_body, relay_parts_stream, relay_stream
 from pdmaster.routing import Router
+from pdmaster.staged_admission import StagedAdmission
 
 __all__ = ["RequestPipeline"]
 
@@ -99,6 +100,8 @@ class RequestPipeline:
         self.pool_factory = pool_factory
         self._pool: EnginePool | None = None
         self._dispatch: Dispatch | None = None
+        # Two-stage admission: the pass first, the decode lease after the prefill (see staged_admission).
+        self._staged: StagedAdmission | None = None
         # Ids: a random per-process prefix and a counter, unique across masters and restarts
         # without reading the system's random source per request (uuid4 does).
         self._id_prefix = uuid.uuid4().hex[:16]
@@ -110,6 +113,13 @@ class RequestPipeline:
     async def open(self) -> None:
         self._pool = self.pool_factory()
         self._dispatch = self.dispatch_factory(self._pool)
+        admission = self.admission
+        if isinstance(admission, StagedAdmission):
+            if not self._dispatch.staged:
+                raise ValueError(
+                    f"two-stage admission needs a staged PD protocol, not {self._dispatch.protocol}"
+                )
+            self._staged = admission
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -136,7 +146,7 @@ class RequestPipeline:
                         deadline=deadline,
                     ) as lease:
                         ctx.lease = lease
-                        if lease.node in failed:
+                        if self._staged is None and lease.node in failed:
                             # a last guard: admission is told to avoid these nodes
                             raise RequestFailed(
                                 503, f"decode {lease.node} failed this request already", retry_after=1,
@@ -144,13 +154,22 @@ class RequestPipeline:
                             )  # fmt: skip
                         parts: list[Part] | None = None
                         try:
-                            self.route(ctx, failed)
-                            parts = self.split(ctx)
-                            answers = (
-                                await self.dispatch_parts(ctx, parts)
-                                if parts is not None
-                                else [await self.dispatch(ctx)]
-                            )
+                            if self._staged is not None:
+                                parts = self.split(ctx)
+                                if parts is None:
+                                    answers = [await self.dispatch_staged(ctx, self._staged, lease, failed)]
+                                else:  # a batch: its decode lease first, then as in one stage
+                                    await self._take_decode(ctx, self._staged, lease, failed)
+                                    self.route(ctx, failed)
+                                    answers = await self.dispatch_parts(ctx, parts)
+                            else:
+                                self.route(ctx, failed)
+                                parts = self.split(ctx)
+                                answers = (
+                                    await self.dispatch_parts(ctx, parts)
+                                    if parts is not None
+                                    else [await self.dispatch(ctx)]
+                                )
                         except EngineError as exc:
                             # Not while draining: a draining master with an empty queue has handed
                             # its shares back (agents count only its running leases), so a new lease
@@ -203,31 +222,109 @@ class RequestPipeline:
     def route(self, ctx: RequestContext, exclude: Collection[str] = ()) -> None:
         """Choose P (never one in ``exclude``) and D; take a permission from each one's breaker
         (EngineError ``breaker`` when a half-open breaker's one trial is already in flight)."""
-        assert ctx.lease is not None and ctx.estimate is not None and ctx.request_class is not None
+        assert ctx.lease is not None and ctx.estimate is not None
         decode = self.router.decode(ctx.lease.node)
         prefill = self.router.prefill(ctx.estimate, exclude)
         if decode is None or prefill is None:
             what = "prefill" if prefill is None else "decode"
             raise RequestFailed(503, f"no {what} node available", retry_after=1)
-        for node in (prefill, decode):
-            token = self.breakers.allow(node.node_id)
-            if token is None:
-                self._settle(ctx, None)
-                raise EngineError(
-                    f"{node.role} {node.node_id}: its engine failed recently and is being probed",
-                    status=503,
-                    kind="breaker",
-                    node=node.node_id,
-                )
-            ctx.permits[node.node_id] = token
+        self._permit(ctx, prefill)
+        self._permit(ctx, decode)
         ctx.prefill, ctx.decode = prefill, decode
+        self._headers(ctx)
+
+    def _permit(self, ctx: RequestContext, node: Node) -> None:
+        token = self.breakers.allow(node.node_id)
+        if token is None:
+            self._settle(ctx, None)
+            raise EngineError(
+                f"{node.role} {node.node_id}: its engine failed recently and is being probed",
+                status=503,
+                kind="breaker",
+                node=node.node_id,
+            )
+        ctx.permits[node.node_id] = token
+
+    def _headers(self, ctx: RequestContext) -> None:
+        assert ctx.lease is not None and ctx.request_class is not None
+        assert ctx.prefill is not None and ctx.decode is not None
         ctx.headers = {
             "X-Request-Id": ctx.request_id,
             "X-Admission-Class": ctx.request_class.value,
             "X-Admission-Wait-Ms": f"{ctx.lease.wait_s * 1000:.1f}",
-            "X-Decode-Node": decode.node_id,
-            "X-Prefill-Node": prefill.node_id,
+            "X-Decode-Node": ctx.decode.node_id,
+            "X-Prefill-Node": ctx.prefill.node_id,
         }
+
+    # -- two-stage admission: the decode lease is taken after the prefill ----------------------------
+    async def _take_decode(
+        self, ctx: RequestContext, staged: StagedAdmission, gate_pass: Lease, failed: frozenset[str]
+    ) -> None:
+        """The decode lease for the request holding ``gate_pass`` (released with it): ``ctx.lease``."""
+        assert ctx.request_class is not None
+        ctx.lease = await staged.acquire_decode(gate_pass, ctx.parsed.slots, ctx.request_class, failed)
+        if ctx.lease.node in failed:  # a last guard, as for one stage
+            raise RequestFailed(
+                503, f"decode {ctx.lease.node} failed this request already", retry_after=1,
+                type_="upstream_error", code="upstream_failed",
+            )  # fmt: skip
+
+    async def dispatch_staged(
+        self, ctx: RequestContext, staged: StagedAdmission, gate_pass: Lease, failed: frozenset[str]
+    ) -> EngineResponse:
+        """P with the pass; then the decode lease, D and D's 200 answer (EngineError otherwise). Both
+        engines' breakers hear the outcome, each of its own half."""
+        assert self._dispatch is not None and ctx.estimate is not None
+        prefill = self.router.prefill(ctx.estimate, failed)
+        if prefill is None:
+            raise RequestFailed(503, "no prefill node available", retry_after=1)
+        self._permit(ctx, prefill)
+        ctx.prefill = prefill
+        ctx.engine_request_id = self.new_id()
+        headers = ctx.engine_headers(ctx.engine_request_id)
+        self.router.routed(prefill, ctx.hashes)
+        try:
+            params = await self._dispatch.prefill(ctx.endpoint, ctx.parsed.body, prefill, headers)
+        except EngineError as exc:
+            self._failed_on(ctx, exc, f"prefill {prefill.node_id}")
+            raise
+        finally:
+            self.router.prefill_done(prefill)
+        self._settle(ctx, True)
+        await self._take_decode(ctx, staged, gate_pass, failed)
+        assert ctx.lease is not None
+        decode = self.router.decode(ctx.lease.node)
+        if decode is None:
+            raise RequestFailed(503, "no decode node available", retry_after=1)
+        self._permit(ctx, decode)
+        ctx.decode = decode
+        self._headers(ctx)
+        try:
+            answer = await self._dispatch.decode(
+                ctx.endpoint,
+                ctx.parsed.body,
+                params,
+                decode,
+                headers,
+                ctx.lease.decode_sent,
+                _still_held(decode),
+            )
+        except EngineError as exc:
+            self._failed_on(ctx, exc, f"decode {decode.node_id}")
+            raise
+        self._settle(ctx, True)
+        return answer
+
+    def _failed_on(self, ctx: RequestContext, exc: EngineError, where: str) -> None:
+        log.info(
+            "request %s (engine id %s) failed on %s: %s",
+            ctx.request_id,
+            ctx.engine_request_id,
+            where,
+            exc.message,
+        )
+        if exc.node is not None and counts_as_failure(exc.kind, exc.engine_status):
+            self._engine_failed(exc.node, exc, ctx.permits.pop(exc.node, None))
 
     async def dispatch(self, ctx: RequestContext) -> EngineResponse:
         """D's 200 answer; EngineError otherwise. Both engines' breakers hear the outcome."""

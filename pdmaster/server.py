@@ -27,7 +27,6 @@ from pdcoord.keys import Keys
 from pdcoord.registration import AlreadyRegistered, Registration
 from pdcoord.retry import Outage, register_with_retry
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
-from pdmaster.admission_controller import AdmissionController
 from pdmaster.api import ControlRoutes, OpenAIRoutes, api_key_middleware, harden_aiohttp, load_api_keys
 from pdmaster.config import MasterConfig
 from pdmaster.coordination import CoordinationService
@@ -39,6 +38,7 @@ from pdmaster.pausewatch import PauseWatch
 from pdmaster.pipeline import RequestPipeline
 from pdmaster.registry import DECODE, NodeRegistry, ShareChanges, split_changes
 from pdmaster.routing import POLICIES, Router
+from pdmaster.staged_admission import make_admission
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class MasterServer:
             # shares of every node, and re-reading all shares per message would be O(n²).
             defer=lambda fn: asyncio.get_running_loop().call_soon(fn),
         )
-        self.admission = AdmissionController(
+        self.admission = make_admission(
             cfg.admission, registry=self.metrics_registry, master_id=self.master_id
         )
         # After this process stood still, place nothing until the agents' verdicts are read.

@@ -165,6 +165,9 @@ class Dispatch:
     protocol = ""
     # Whether the engines need n > 1 split into single samples (see pdmaster/fanout.py).
     split_samples = False
+    # Whether D's request goes out only after P answered (``prefill`` and ``decode`` apart), so that
+    # the decode lease can be taken between them (two-stage admission).
+    staged = False
     # The client routes this protocol's engines serve (the API refuses the others with a 400).
     routes: frozenset[str] = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
 
@@ -187,6 +190,25 @@ class Dispatch:
         ``may_send_decode``: asked just before, False when the slot it was placed on may no longer be
         this master's (EngineError ``lost``, which another pair may serve)."""
         raise NotImplementedError
+
+    async def prefill(
+        self, path: str, body: Mapping[str, Any], prefill: EngineNode, headers: Mapping[str, str]
+    ) -> dict[str, Any]:
+        """A ``staged`` protocol's first half: P's answer that D needs."""
+        raise NotImplementedError(f"{self.protocol} sends P and D together")
+
+    async def decode(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        params: Mapping[str, Any],
+        decode: EngineNode,
+        headers: Mapping[str, str],
+        on_decode_sent: Callable[[], None] | None = None,
+        may_send_decode: Callable[[], bool] | None = None,
+    ) -> EngineResponse:
+        """A ``staged`` protocol's second half: D's 200 answer (arguments as for ``open``)."""
+        raise NotImplementedError(f"{self.protocol} sends P and D together")
 
 
 class SGLangDispatch(Dispatch):
@@ -248,8 +270,12 @@ _KV_PREFILL = {
 
 
 class VLLMDispatch(Dispatch):
+    """P first, then D with what P returned. The two halves are also offered apart (``prefill``,
+    ``decode``): a master that admits in two stages takes the decode lease between them."""
+
     protocol = "vllm"
     routes = frozenset({"/v1/chat/completions", "/v1/completions"})  # vLLM has no /generate
+    staged = True
 
     async def open(
         self,
@@ -262,6 +288,13 @@ class VLLMDispatch(Dispatch):
         on_decode_sent: Callable[[], None] | None = None,
         may_send_decode: Callable[[], bool] | None = None,
     ) -> EngineResponse:
+        params = await self.prefill(path, body, prefill, headers)
+        return await self.decode(path, body, params, decode, headers, on_decode_sent, may_send_decode)
+
+    async def prefill(
+        self, path: str, body: Mapping[str, Any], prefill: EngineNode, headers: Mapping[str, str]
+    ) -> dict[str, Any]:
+        """P's ``kv_transfer_params`` for ``body`` (P computes one token and keeps the KV for D)."""
         p_body = dict(body)
         p_body["stream"] = False
         p_body.pop("stream_options", None)
@@ -293,8 +326,21 @@ class VLLMDispatch(Dispatch):
                 kind="protocol",
                 node=prefill.node_id,
             )
+        return params
+
+    async def decode(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        params: Mapping[str, Any],
+        decode: EngineNode,
+        headers: Mapping[str, str],
+        on_decode_sent: Callable[[], None] | None = None,
+        may_send_decode: Callable[[], bool] | None = None,
+    ) -> EngineResponse:
+        """D's 200 answer to ``body`` with P's ``params``."""
         d_body = dict(body)
-        d_body["kv_transfer_params"] = params
+        d_body["kv_transfer_params"] = dict(params)
         _check_decode(decode, may_send_decode)  # the prefill took a while: is the slot still ours?
         d = await _sent(self.pool, decode, path, json.dumps(d_body).encode(), headers)
         if on_decode_sent is not None:

@@ -9,7 +9,9 @@ import asyncio
 import concurrent.futures
 import itertools
 import json
+import math
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -55,9 +57,10 @@ def post(url: str, json_body: object = None, *, content: bytes | str | None = No
 
 
 class Fleet:
-    def __init__(self, cluster: LocalCluster, protocol: str) -> None:
+    def __init__(self, cluster: LocalCluster, protocol: str, staged: bool = False) -> None:
         self.c = cluster
         self.protocol = protocol
+        self.staged = staged
         self.master = cluster.masters["m1"]
         self.rr = cluster.masters["rr"]
 
@@ -75,15 +78,18 @@ class Fleet:
         return self.master.admission()
 
 
-@pytest.fixture(scope="module", params=["sglang", "vllm"])
+# vllm-staged: vLLM's protocol with two-stage admission (the decode lease after the prefill)
+@pytest.fixture(scope="module", params=["sglang", "vllm", "vllm-staged"])
 def fleet(request: pytest.FixtureRequest, etcd, tmp_path_factory) -> Iterator[Fleet]:  # type: ignore[no-untyped-def]
-    protocol = request.param
-    group = ProcessGroup(tmp_path_factory.mktemp(f"fleet-{protocol}"))
+    variant = request.param
+    protocol = variant.split("-")[0]
+    staged = {"prefill_lookahead": "0.5"} if variant.endswith("-staged") else {}
+    group = ProcessGroup(tmp_path_factory.mktemp(f"fleet-{variant}"))
     try:
-        c = LocalCluster(group, etcd.endpoint, f"dp-{protocol}-{time.monotonic_ns()}")
+        c = LocalCluster(group, etcd.endpoint, f"dp-{variant}-{time.monotonic_ns()}")
         c.start_master("m1", engine_protocol=protocol, max_n=8, max_tokens=4096, max_body_bytes=65536,
-                       model="sim")  # fmt: skip
-        c.start_master("rr", engine_protocol=protocol, prefill_selection="round-robin", model="sim")
+                       model="sim", **staged)  # fmt: skip
+        c.start_master("rr", engine_protocol=protocol, prefill_selection="round-robin", model="sim", **staged)
         # The engines check requests as strictly as the real ones (pdsim --api): SGLang refuses a
         # PD request with n > 1 (it would send every sample with one room), vLLM min_tokens > max_tokens.
         strict = {"api": "vllm"} if protocol == "vllm" else {"api": "sglang", "sglang_sample_rooms": "reject"}
@@ -94,7 +100,7 @@ def fleet(request: pytest.FixtureRequest, etcd, tmp_path_factory) -> Iterator[Fl
         caps = {**PREFILL, **DECODE}
         c.wait_for(lambda: c.full_capacity_held(["m1", "rr"], caps), timeout=30)
         c.wait_for(lambda: http_json(c.masters["m1"].url + "/readiness").get("ready"), timeout=10)
-        yield Fleet(c, protocol)
+        yield Fleet(c, protocol, staged=bool(staged))
     finally:
         group.close()
 
@@ -272,6 +278,40 @@ def test_burst_of_five_times_capacity_never_queues_inside_engines(fleet: Fleet) 
     assert statuses.count(200) >= capacity
     assert fleet.decode_metric("pdsim_queued_total") == before
     fleet.c.wait_for(lambda: fleet.admission()["active"] == 0, timeout=5)
+
+
+def test_two_stage_admission_prefills_ahead_and_keeps_the_decode_limit(fleet: Fleet) -> None:
+    """With --prefill-lookahead the gate lets prefill work run beyond the decode slots this master
+    holds, while the decode leases (and so the engines) stay within them."""
+    snap = fleet.admission()
+    if not fleet.staged:
+        assert "gate" not in snap  # one stage: the lease is taken before the prefill
+        return
+    capacity = snap["capacity"]
+    assert snap["prefill_lookahead"] == 0.5 and snap["gate"]["capacity"] == capacity + math.ceil(capacity / 2)
+    over_before = fleet.decode_metric("pdsim_over_capacity_total")
+    ahead: list[int] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            s = fleet.admission()
+            assert s["active"] <= s["capacity"], s
+            ahead.append(s["gate"]["active"] - s["active"])
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        results = asyncio.run(_burst(fleet.url, 5 * sum(DECODE.values())))
+    finally:
+        done.set()
+        watcher.join(10)
+    statuses = [r[0] for r in results]
+    assert set(statuses) <= {200, 429} and statuses.count(200) >= capacity, statuses
+    assert max(ahead) > 0, ahead  # passes beyond the decode leases: requests prefilling ahead
+    assert fleet.decode_metric("pdsim_over_capacity_total") == over_before
+    fleet.c.wait_for(lambda: fleet.admission()["gate"]["active"] == 0, timeout=5)
 
 
 def _hit_rate(fleet: Fleet) -> tuple[float, float]:
