@@ -86,7 +86,8 @@ SKEW = {2: (0.7, 0.3), 4: (0.7, 0.2, 0.05, 0.05)}
 
 
 def contender_spec(name: str) -> dict[str, Any]:
-    """``sgl``, ``sgl-tuned``, ``sgl-tuned-x2-part[-skew]``, ``pdcoord-2[-skew|-nolimit|-w111|…]``."""
+    """``sgl``, ``sgl-tuned``, ``sgl-tuned-x2-part[-skew]``, ``pdcoord-2[-skew|-nolimit|-w111|-vllm|…]``;
+    ``pdcoord-1-vllm-staged[NN]``: two-stage admission, lookahead NN % (default 25)."""
     parts = name.split("-")
     spec: dict[str, Any] = {"name": name, "skew": "skew" in parts, "routers": 1}
     if parts[0] == "sgl":
@@ -103,6 +104,9 @@ def contender_spec(name: str) -> dict[str, Any]:
         spec["w111"] = "w111" in parts
         spec["target"] = "notarget" not in parts
         spec["vllm"] = "vllm" in parts
+        # -staged: two-stage admission, --prefill-lookahead 0.25 (-stagedNN: NN %)
+        staged = [p for p in parts if p.startswith("staged")]
+        spec["lookahead"] = (int(staged[0][6:]) / 100 if staged[0][6:] else 0.25) if staged else 0.0
     else:
         raise SystemExit(f"--contenders: unknown contender {name!r}")
     return spec
@@ -299,6 +303,8 @@ def run_one(
                     extra["admission_target_wait"] = f"{args.target_wait * k:g}"
                 if vllm:
                     extra["engine_protocol"] = "vllm"
+                if spec["lookahead"]:
+                    extra["prefill_lookahead"] = f"{spec['lookahead']:g}"
                 for mid in ids:
                     masters.append(c.start_master(mid, **extra))
                 c.wait_for(lambda: c.full_capacity_held(ids, capacities), timeout=90)
