@@ -1231,6 +1231,17 @@ def test_bad_admission_target_wait_is_refused_by_the_schema(helm: str, value: st
     assert proc.returncode != 0 and "admissionTargetWait" in proc.stderr
 
 
+def test_prefill_lookahead_is_passed_through_with_vllm_only(helm: str) -> None:
+    assert "prefill-lookahead" not in flags(master_container(render()))  # off by default
+    assert _cli_defaults("pdmaster.main")["prefill-lookahead"] == 0.0
+    f = flags(master_container(render({"master": {"engineProtocol": "vllm", "prefillLookahead": 0.25}})))
+    assert f["prefill-lookahead"] == "0.25" and f["engine-protocol"] == "vllm"
+    proc = _template(json.dumps({"master": {"prefillLookahead": 0.25}}))  # SGLang's protocol
+    assert proc.returncode != 0 and "prefillLookahead needs master.engineProtocol vllm" in proc.stderr
+    proc = _template(json.dumps({"master": {"engineProtocol": "vllm", "prefillLookahead": 2}}))
+    assert proc.returncode != 0 and "prefillLookahead" in proc.stderr
+
+
 def test_ingress_is_off_by_default_and_sticky_by_session_when_on(helm: str) -> None:
     assert find(render(), "Ingress") == []
     docs = render({"ingress": {"enabled": True, "className": "nginx", "annotations": {"a": "b"}}})
