@@ -29,7 +29,7 @@ from pdcoord import __version__
 from pdcoord.config import EtcdSettings
 from pdcoord.etcd import EtcdClient, EtcdError, WatchCompacted
 from pdcoord.gctuning import collect_soon
-from pdcoord.keepalive import DEFAULT_KEEPALIVE_S
+from pdcoord.keepalive import UNADVERTISED_KEEPALIVE_S
 from pdcoord.keys import Keys
 from pdcoord.load import EngineLoad
 from pdcoord.registration import Registration
@@ -40,10 +40,11 @@ from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-# A hung or cut-off master is noticed within about 2 s (a ping after 1 s without reads, 1 s to answer
-# it). ``grpc.http2.ping_timeout_ms`` is what enforces the answer time in gRPC 1.85 (see the master's
-# grpc_server_options). A master that pings less often (its --keepalive) gets pinged less often too:
-# see master_channel_options.
+# The agent pings a master after a silence a little longer than the master's own ping period (its
+# ``keepalive_s``, see master_channel_options), 1 s at least, and allows 1 s for the answer: a hung or
+# cut-off master at the default --keepalive 2 is noticed within 3.35 s, one of an earlier release
+# (0.65 s) within 2 s. ``grpc.http2.ping_timeout_ms`` is what enforces the answer time in gRPC 1.85
+# (see the master's grpc_server_options).
 GRPC_CLIENT_OPTIONS = [
     ("grpc.keepalive_time_ms", 1000),
     ("grpc.keepalive_timeout_ms", 1000),
@@ -76,7 +77,9 @@ class MasterEntry:
     """What a master's key in etcd tells its agents."""
 
     address: str  # host:port of its gRPC service
-    keepalive_s: float = DEFAULT_KEEPALIVE_S  # an older master's key does not say: its default
+    # An older master's key says neither: it pings after 0.65 s (UNADVERTISED_KEEPALIVE_S), whatever
+    # today's default is, and notices a cut stream within 1.65 s, which PEER_DETECT_S covers.
+    keepalive_s: float = UNADVERTISED_KEEPALIVE_S
     detect_s: float = 0.0  # how soon it notices a cut stream; 0: not said (PEER_DETECT_S covers it)
     drained: bool = False  # it drained: nothing of it runs any more (written just before it goes)
 
@@ -135,7 +138,7 @@ class AgentConfig:
 class MasterLink:
     master_id: str
     address: str
-    keepalive_s: float = DEFAULT_KEEPALIVE_S  # the master's ping period (its etcd key)
+    keepalive_s: float = UNADVERTISED_KEEPALIVE_S  # the master's ping period (its etcd key)
     task: asyncio.Task[None] | None = None
     call: Any = None
     connected: bool = False

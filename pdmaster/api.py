@@ -216,6 +216,8 @@ class ControlRoutes:
     def ready_reason(self) -> str | None:
         if self.lifecycle.draining:
             return "draining"
+        if self.lifecycle.lease_lost:
+            return "etcd lease lost (no renewal confirmed in time; re-registering)"
         if not self.lifecycle.registered:
             return "not registered in etcd"
         if not self.registry.live(PREFILL):
@@ -333,6 +335,16 @@ class OpenAIRoutes:
             )
             resp.force_close()  # no keep-alive into a closing server
             return resp
+        if self.lifecycle.lease_lost:
+            # Its key may be gone from etcd: the agents hand its shares to the other masters.
+            return self._error(
+                endpoint,
+                503,
+                "this master cannot confirm its registration in etcd, so it admits nothing new until "
+                "it can; retry on another master",
+                code="etcd_lease_lost",
+                retry_after=1,
+            )
         if endpoint not in self.protocol_routes:
             return self._error(
                 endpoint,

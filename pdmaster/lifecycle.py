@@ -2,7 +2,10 @@
 drain waits for.
 
 Until its key is in etcd no agent knows the master, and /health and /readiness say so (a start may
-wait there for a predecessor's lease to end). The HTTP API refuses new requests while draining,
+wait there for a predecessor's lease to end). A master that can no longer prove its lease alive (no
+renewal confirmed in time: etcd unreachable) has *lost its lease* until etcd confirms it again or it
+re-registers: it grants nothing new meanwhile, the HTTP API refuses new requests with 503 and
+readiness fails. The HTTP API refuses new requests while draining,
 readiness reports it, and the gRPC service tells the agents in its Acks (so they can take this
 master out of the split once its queue is empty).
 """
@@ -18,6 +21,7 @@ __all__ = ["Lifecycle"]
 class Lifecycle:
     def __init__(self) -> None:
         self._registered: Callable[[], bool] = lambda: False
+        self._lease_lost: Callable[[], bool] = lambda: False
         self.draining = False
         self.in_flight = 0
         self._tasks: set[asyncio.Task[object]] = set()  # the requests in flight, to cancel them
@@ -26,11 +30,19 @@ class Lifecycle:
 
     @property
     def registered(self) -> bool:
-        """Its key is in etcd under a lease etcd has not reported lost."""
+        """Its key is in etcd under a lease it can prove alive (a renewal confirmed in time)."""
         return self._registered()
 
     def registered_while(self, alive: Callable[[], bool]) -> None:
         self._registered = alive
+
+    @property
+    def lease_lost(self) -> bool:
+        """It was registered and can no longer prove its lease alive (it re-registers meanwhile)."""
+        return self._lease_lost()
+
+    def lease_lost_while(self, lost: Callable[[], bool]) -> None:
+        self._lease_lost = lost
 
     def start_draining(self) -> bool:
         """Returns False when the master was draining already."""

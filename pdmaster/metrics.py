@@ -60,6 +60,18 @@ class MasterMetrics:
             registry=registry,
         )
         self.streams = Gauge("pdcoord_node_streams", "Live agent streams", registry=registry)
+        self.lease_held = Gauge(
+            "pdcoord_master_lease_held",
+            "1 while this master can prove its etcd lease alive (a renewal confirmed in time); 0 while "
+            "registering or after a lease loss, when it admits nothing new",
+            registry=registry,
+        )
+        self.lease_losses = Counter(
+            "pdcoord_master_lease_losses",
+            "Times this master stopped counting on its etcd lease (no renewal confirmed in time, or etcd "
+            "said it was gone) and so stopped admitting until etcd confirmed it again",
+            registry=registry,
+        )
         self.stale_reports = Counter(
             "pdcoord_stale_reports",
             "Grants ignored because their epoch was lower than the one held",

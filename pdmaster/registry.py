@@ -461,5 +461,10 @@ class NodeRegistry:
             self._live_sorted[role] = cached
         return cached
 
+    def decode_shares(self) -> dict[str, tuple[int, int]]:
+        """Every decode share held now, as ``ShareChanges``: node -> (share, running_max_req_size)."""
+        nodes = self.nodes
+        return {n: (s, nodes[n].running_max_req_size) for n, s in self._decode_shares.items()}
+
     def snapshot(self) -> list[dict[str, object]]:
         return [n.as_json() for n in sorted(self.nodes.values(), key=lambda n: n.node_id)]

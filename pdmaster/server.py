@@ -176,6 +176,10 @@ class MasterServer:
     def __init__(self, config: MasterConfig) -> None:
         self.config = cfg = config
         self.master_id = cfg.master_id
+        # Whether admission may count on the shares the agents grant: only while this master can prove
+        # its etcd lease alive (see _on_lease_held).
+        self._lease_held = False
+        self._lease_losses = 0
         self.keys = Keys.for_cluster(cfg.etcd.cluster, cfg.etcd.prefix)
         self.metrics_registry = CollectorRegistry()
         self.metrics = MasterMetrics(self.metrics_registry, self.master_id)
@@ -242,7 +246,48 @@ class MasterServer:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _on_shares(self, changes: ShareChanges) -> None:
-        self.admission.update_shares(*split_changes(changes))
+        if self._lease_held:  # otherwise admission holds nothing; the registry keeps the shares
+            self.admission.update_shares(*split_changes(changes))
+
+    def _on_lease_held(self, held: bool) -> None:
+        """This master can prove its etcd lease alive again (``held``), or can no longer.
+
+        Its key goes from etcd at the earliest one TTL after the last renewal etcd confirmed, and the
+        agents then hand its shares to the other masters. Strict handover makes that safe where this
+        master's stream to the agent is up (the agent lowers its grant and waits for the Ack); where
+        the stream is down too the agent counts this master's slots as an orphan's, which it frees on
+        engine samples on the assumption that a master whose key is gone places nothing new. So a
+        margin before that moment (``Registration.held``) admission drops to capacity 0: queued
+        requests are refused (503), new ones too, readiness fails. Running requests finish: they are
+        covered by strict handover or counted as the orphan's, exactly as those of a master cut from
+        an agent while registered. Once etcd confirms the lease again, or the key is re-created under
+        a new lease, admission takes the shares the agents grant it now (those that handed them on
+        grant them back through strict handover).
+        """
+        if held == self._lease_held:
+            return
+        self._lease_held = held
+        self.metrics.lease_held.set(1 if held else 0)
+        if held:
+            shares = self.registry.decode_shares()
+            if self._lease_losses:
+                log.warning(
+                    "master %s: etcd confirms its registration again; admitting on the %d decode slots "
+                    "the agents grant it now",
+                    self.master_id,
+                    sum(s for s, _ in shares.values()),
+                )
+            self.admission.set_shares(*split_changes(shares))
+        else:
+            self._lease_losses += 1
+            self.metrics.lease_losses.inc()
+            log.warning(
+                "master %s: cannot prove its etcd lease alive (no renewal confirmed in time: etcd "
+                "unreachable?); its key may go and the agents hand its shares on, so it admits nothing "
+                "new (queued requests refused, running ones finish) until etcd confirms it again",
+                self.master_id,
+            )
+            self.admission.set_shares({})
 
     # -- engine faults --------------------------------------------------------------------------
     def _on_breaker(self, node_id: str, breaker: CircuitBreaker) -> None:
@@ -394,12 +439,16 @@ class MasterServer:
             self._key_doc["admin"] = f"http://{host_port(admin_advertise, self.admin_port)}"
         key = self.keys.master(self.master_id)
         value = json.dumps(self._key_doc).encode()
-        registration = Registration(self.etcd, key, value, ttl=cfg.etcd.lease_ttl)
+        registration = Registration(
+            self.etcd, key, value, ttl=cfg.etcd.lease_ttl, on_held=self._on_lease_held
+        )
         try:
             # Retries for as long as etcd is unreachable; raises only on a configuration error.
             await register_with_retry(self.etcd, registration, log)
             self.registration = registration
-            self.lifecycle.registered_while(lambda: registration.alive)
+            self.lifecycle.registered_while(lambda: registration.held)
+            self.lifecycle.lease_lost_while(lambda: not registration.held)
+            self._on_lease_held(registration.held)
         except AlreadyRegistered as exc:
             raise StartupError(
                 f"--master-id {self.master_id!r} is live in etcd under another lease; "
@@ -469,6 +518,7 @@ class MasterServer:
                 except EtcdError as exc:  # the agents then wait for their samples, as before
                     log.warning("could not mark the key drained: %s", exc)
             # Revoking deletes masters/<id> at once: agents re-slice without waiting for a TTL.
+            self.lifecycle.lease_lost_while(lambda: False)
             await self.registration.stop(revoke=True)
             self.registration = None
             self.lifecycle.registered_while(lambda: False)
