@@ -25,6 +25,8 @@ _ROLES = {pb.PREFILL: PREFILL, pb.DECODE: DECODE}
 SlotsProvider = Callable[[str], tuple[int, int]]
 # (node_id, down): the agent's verdict on its engine flipped.
 EngineListener = Callable[[str, bool], None]
+# node_id: its stream ended (after a Leaving, the registry marks the node gone first).
+ClosedListener = Callable[[str], None]
 # For an Ack on a node: the slots of this master's leases the engine held at the stream's previous
 # Ack (their decode request had gone out) and still holds, with their end in sight; and the mark for
 # the next Ack (AdmissionCore.kept_since).
@@ -47,8 +49,10 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         max_reports_per_s: float = 50.0,
         on_engine: EngineListener | None = None,
         kept: KeptProvider | None = None,
+        on_closed: ClosedListener | None = None,
     ) -> None:
         self.on_engine = on_engine
+        self.on_closed = on_closed
         self.kept = kept  # None: Acks without kept_slots (as masters of earlier releases)
         self.master_id = master_id
         self.registry = registry
@@ -158,6 +162,8 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                 received.get(kind or "other", received["other"]).inc()
                 if kind == "leaving":
                     log.info("node %s leaving: %s", node_id, msg.leaving.reason or "no reason given")
+                    # forgotten once its stream is closed and no lease of this master runs there
+                    self.registry.mark_leaving(node_id, stream)
                     return
                 if kind == "register":
                     await self._refuse(context, "INVALID_ARGUMENT", f"node {node_id}: Register sent twice")
@@ -202,3 +208,5 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
             self.registry.disconnect(node_id, stream)
             self.metrics.observe_node(self.registry, node_id)
             log.info("node %s stream closed", node_id)
+            if self.on_closed is not None:
+                self.on_closed(node_id)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -60,6 +61,12 @@ class MasterMetrics:
             registry=registry,
         )
         self.streams = Gauge("pdcoord_node_streams", "Live agent streams", registry=registry)
+        self.nodes_forgotten = Counter(
+            "pdcoord_nodes_forgotten",
+            "Nodes dropped from this master's table (their agent left or their etcd key is gone, and "
+            "no lease of this master ran there any more), with their per-node series",
+            registry=registry,
+        )
         self.lease_held = Gauge(
             "pdcoord_master_lease_held",
             "1 while this master can prove its etcd lease alive (a renewal confirmed in time); 0 while "
@@ -96,8 +103,27 @@ class MasterMetrics:
         }
         self.acks_sent = self.agent_messages.labels(direction="sent", kind="ack")
         self._stale_seen = 0
-        self._known: set[str] = set()
+        self._known: dict[str, str] = {}  # node id -> the role its series carry
         self._last: dict[str, tuple[int, int, bool, bool]] = {}
+        self._failure_kinds: dict[str, set[str]] = {}  # node id -> kinds counted for it
+
+    def engine_failed(self, node_id: str, kind: str) -> None:
+        self.engine_failures.labels(node=node_id, kind=kind).inc()
+        self._failure_kinds.setdefault(node_id, set()).add(kind)
+
+    def forget_node(self, node_id: str) -> None:
+        """Remove every series labelled with the node (it was dropped from the table): a scrape no
+        longer shows it, so alerts on it resolve instead of firing for a node that is no more."""
+        role = self._known.pop(node_id, None)
+        self._last.pop(node_id, None)
+        if role is not None:
+            for gauge in (self.node_share, self.node_engine_up):
+                _remove(gauge, node_id, role)
+        for gauge in (self.node_epoch, self.node_connected, self.breaker_open):
+            _remove(gauge, node_id)
+        for kind in self._failure_kinds.pop(node_id, ()):
+            _remove(self.engine_failures, node_id, kind)
+        self.nodes_forgotten.inc()
 
     def observe_node(self, reg: NodeRegistry, node_id: str) -> None:
         """Mirror one node's entry and the totals: O(1) per agent message."""
@@ -108,13 +134,14 @@ class MasterMetrics:
             self.stale_reports.inc(reg.stale_total - self._stale_seen)
             self._stale_seen = reg.stale_total
         if node is None:
+            return  # forgotten: forget_node removed its series
+        known = self._known.get(node_id)
+        if known != node.role:
+            if known is not None:  # it came back under another role: its old series go
+                for gauge in (self.node_share, self.node_engine_up):
+                    _remove(gauge, node_id, known)
+            self._known[node_id] = node.role
             self._last.pop(node_id, None)
-            if node_id in self._known:
-                self._known.discard(node_id)
-                for g in (self.node_epoch, self.node_connected):
-                    g.remove(node_id)
-            return
-        self._known.add(node_id)
         state = (node.effective_share, node.epoch, node.connected, node.usable)
         if self._last.get(node_id) == state:
             return  # a heartbeat: skip three label lookups per message
@@ -123,6 +150,13 @@ class MasterMetrics:
         self.node_epoch.labels(node=node.node_id).set(node.epoch)
         self.node_connected.labels(node=node.node_id).set(1 if node.connected else 0)
         self.node_engine_up.labels(node=node.node_id, role=node.role).set(1 if node.usable else 0)
+
+
+def _remove(metric: Any, *labels: str) -> None:
+    """Remove one labelled series if it exists (prometheus_client before 0.21 raises KeyError for a
+    series it does not have)."""
+    with contextlib.suppress(KeyError):
+        metric.remove(*labels)
 
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

@@ -3,6 +3,13 @@
 It applies the protocol rules of DESIGN §5 (what a stream may register, which grants are taken,
 which are stale or contradictory) and derives this master's decode shares. No I/O: the gRPC
 adapter feeds it messages and turns its verdicts into statuses.
+
+A node whose stream is down stays in the table (its share counts as 0) until it is *gone*: its agent
+said ``Leaving``, or its key in etcd is gone (the master's adapter looks). A gone node with no lease
+of this master left on it is forgotten (:meth:`NodeRegistry.forgettable`, :meth:`NodeRegistry.forget`):
+its entry, its breaker state and, in the adapters, its metric series go, so a fleet whose agents
+come and go under new ids does not fill the table up to ``max_nodes``. If it comes back it registers
+anew.
 """
 
 from __future__ import annotations
@@ -64,6 +71,14 @@ class Node:
     # at most one lease there, which is the breaker's one trial request.
     breaker_state: str = "closed"
     breaker_reason: str = ""
+    # Gone: its agent said Leaving on this stream, or its etcd key was found gone while the stream
+    # was down. Cleared by a new Register (a new entry).
+    leaving: bool = False
+    key_gone: bool = False
+
+    @property
+    def gone(self) -> bool:
+        return self.leaving or self.key_gone
 
     @property
     def breaker_open(self) -> bool:
@@ -106,6 +121,8 @@ class Node:
             "breaker_open": self.breaker_open,
             "breaker_state": self.breaker_state,
             "breaker_reason": self.breaker_reason,
+            "leaving": self.leaving,
+            "key_gone": self.key_gone,
         }
 
 
@@ -180,6 +197,9 @@ class NodeRegistry:
         self._live_by_role: dict[str, dict[str, Node]] = {PREFILL: {}, DECODE: {}}
         self._live_role: dict[str, str] = {}
         self._live_sorted: dict[str, list[Node] | None] = {PREFILL: [], DECODE: []}
+        # Nodes whose stream is down (still in the table): what the forgetting pass looks at.
+        self._disconnected: set[str] = set()
+        self.forgotten_total = 0
 
     # -- subscription -------------------------------------------------------------------------
     def subscribe(self, listener: SharesListener) -> None:
@@ -352,6 +372,7 @@ class NodeRegistry:
             node.stale_reports = max(node.stale_reports, old.stale_reports)
         self.nodes[node_id] = node
         self._connected += 1
+        self._disconnected.discard(node_id)
         self._publish(node_id)
         return node, node.stream
 
@@ -441,7 +462,46 @@ class NodeRegistry:
             return
         node.connected = False
         self._connected -= 1
+        self._disconnected.add(node_id)
         self._publish(node_id)
+
+    # -- forgetting ---------------------------------------------------------------------------
+    def mark_leaving(self, node_id: str, stream: int) -> None:
+        """The agent said Leaving on this stream (it ends right after)."""
+        node = self.nodes.get(node_id)
+        if node is not None and node.stream == stream:
+            node.leaving = True
+
+    def mark_key_gone(self, node_id: str) -> bool:
+        """Its etcd key was found gone while its stream is down; True when that is news."""
+        node = self.nodes.get(node_id)
+        if node is None or node.connected or node.key_gone:
+            return False
+        node.key_gone = True
+        return True
+
+    def disconnected(self) -> list[str]:
+        """Ids of the nodes whose stream is down, in no particular order."""
+        return list(self._disconnected)
+
+    def forgettable(self, node_id: str, active_slots: int) -> bool:
+        """The node may be forgotten: its stream is down, it is gone (Leaving, or its key), and this
+        master runs nothing there (``active_slots``: its leases on the node)."""
+        node = self.nodes.get(node_id)
+        return node is not None and not node.connected and node.gone and active_slots == 0
+
+    def forget(self, node_id: str) -> Node | None:
+        """Drop a node whose stream is down from the table (and its breaker state); it registers
+        anew if it comes back. Returns the entry, None when there was none or its stream is up."""
+        node = self.nodes.get(node_id)
+        if node is None or node.connected:
+            return None
+        del self.nodes[node_id]
+        self._disconnected.discard(node_id)
+        self._breaker_states.pop(node_id, None)
+        self._publish(node_id)  # nothing left to withdraw (a stream down holds no share), kept exact
+        self.forgotten_total += 1
+        return node
 
     def _owned(self, node_id: str, stream: int) -> Node:
         node = self.nodes.get(node_id)

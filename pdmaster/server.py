@@ -47,6 +47,14 @@ log = logging.getLogger(__name__)
 MASTERS_POLL_S = 2.0
 # After a drain timeout, how long the cancelled requests get to end before the key is revoked.
 CANCEL_WAIT_S = 2.0
+# How often the master looks at the nodes whose stream is down: it forgets those that are gone (their
+# agent said Leaving or their etcd key is gone) once no lease of its own runs there.
+FORGET_POLL_S = 1.0
+# How often it asks etcd whether a disconnected node's key is still there (first after this long):
+# a killed agent's key goes one lease TTL after its last renewal.
+KEY_CHECK_S = 10.0
+# More keys than this due in one pass: one range read of nodes/ instead of one read each.
+KEY_CHECK_MAX_GETS = 16
 
 
 # Keep-alive, so that a silently cut agent stream is noticed within --keepalive + --keepalive-timeout
@@ -214,6 +222,7 @@ class MasterServer:
             max_reports_per_s=cfg.max_reports_per_s,
             on_engine=self._on_agent_engine,
             kept=lambda node, mark: self.admission.core.kept_since(node, mark),
+            on_closed=self._node_closed,
         )
         self.breakers = EngineBreakers(cfg.breaker, on_change=self._on_breaker)
         self.request_metrics = RequestMetrics(self.metrics_registry)
@@ -243,6 +252,8 @@ class MasterServer:
         self.admin_port = 0
         self._stop = asyncio.Event()
         self._count_task: asyncio.Task[None] | None = None
+        self._forget_task: asyncio.Task[None] | None = None
+        self._key_check_at: dict[str, float] = {}  # disconnected node -> next look at its etcd key
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _on_shares(self, changes: ShareChanges) -> None:
@@ -313,7 +324,89 @@ class MasterServer:
             log.info("node %s: circuit breaker %s", node_id, state.value)
 
     def _on_engine_failure(self, node_id: str, kind: str) -> None:
-        self.metrics.engine_failures.labels(node=node_id, kind=kind).inc()
+        self.metrics.engine_failed(node_id, kind)
+
+    # -- forgetting nodes that are gone ---------------------------------------------------------
+    def _node_closed(self, node_id: str) -> None:
+        """A node's stream ended: forget it at once if it said Leaving and nothing of ours runs there."""
+        self._try_forget(node_id)
+
+    def _try_forget(self, node_id: str) -> bool:
+        """Forget a node that is gone and runs nothing of this master's (no decode lease, no prefill
+        in flight): its table entry, breaker, prefix index entries and metric series."""
+        router = self.pipeline.router
+        prefills = router.prefill_in_flight.get(node_id, 0)
+        if prefills or not self.registry.forgettable(node_id, self.admission.active_on(node_id)):
+            return False
+        node = self.registry.forget(node_id)
+        if node is None:
+            return False
+        self._key_check_at.pop(node_id, None)
+        router.prefill_in_flight.pop(node_id, None)
+        router.index.remove_node(node_id)
+        self.breakers.breakers.pop(node_id, None)
+        self.admission.update_shares({node_id: 0})  # it holds none already (its stream is down)
+        self.metrics.forget_node(node_id)
+        log.info(
+            "node %s (%s) forgotten: %s, and no request of this master runs there",
+            node_id,
+            node.role,
+            "its agent left" if node.leaving else "its etcd key is gone",
+        )
+        return True
+
+    async def _forget_loop(self) -> None:
+        outage = Outage(log, "looking up the etcd keys of disconnected nodes", level=logging.INFO)
+        while True:
+            await asyncio.sleep(FORGET_POLL_S)
+            try:
+                await self._forget_pass()
+            except EtcdError as exc:
+                outage.failed(exc)  # nothing is forgotten on a key not seen gone
+            else:
+                outage.recovered()
+
+    async def _forget_pass(self) -> None:
+        """Forget the gone nodes whose last request ended; look up the keys of the others when due."""
+        now = time.monotonic()
+        checks = self._key_check_at
+        down = self.registry.disconnected()
+        for node_id in set(checks).difference(down):
+            del checks[node_id]  # reconnected (or forgotten) meanwhile
+        due: list[str] = []
+        for node_id in down:
+            if self._try_forget(node_id):
+                continue
+            node = self.registry.nodes.get(node_id)
+            if node is None or node.gone:
+                checks.pop(node_id, None)  # waits for its requests to end only
+                continue
+            if now >= checks.setdefault(node_id, now + KEY_CHECK_S):
+                due.append(node_id)
+        if not due:
+            return
+        present = await self._node_keys_present(due)
+        later = time.monotonic() + KEY_CHECK_S
+        for node_id in due:
+            checks[node_id] = later
+            if node_id not in present and self.registry.mark_key_gone(node_id):
+                log.info("node %s: its stream is down and its etcd key is gone", node_id)
+                self._try_forget(node_id)
+
+    async def _node_keys_present(self, node_ids: list[str]) -> set[str]:
+        """Which of ``node_ids`` have a key under nodes/ in etcd now."""
+        keys = self.keys
+        if len(node_ids) <= KEY_CHECK_MAX_GETS:
+            found = await asyncio.gather(*(self.etcd.get(keys.node(n)) for n in node_ids))
+            return {n for n, kv in zip(node_ids, found, strict=True) if kv is not None}
+        kvs, _ = await self.etcd.get_prefix(keys.nodes_prefix)
+        present = set()
+        for kv in kvs:
+            try:
+                present.add(keys.id_from_key(kv.key, keys.nodes_prefix))
+            except ValueError:
+                continue
+        return present
 
     def _on_agent_engine(self, node_id: str, down: bool) -> None:
         if not down:
@@ -477,6 +570,7 @@ class MasterServer:
                 cfg.detect_s,
             )
         self._count_task = asyncio.create_task(self._count_masters(), name="count-masters")
+        self._forget_task = asyncio.create_task(self._forget_loop(), name="forget-nodes")
         tune_gc()  # start-up is done: what it allocated is never scanned again
         print(
             f"pdmaster ready master_id={self.master_id} "
@@ -524,8 +618,9 @@ class MasterServer:
             self.lifecycle.registered_while(lambda: False)
 
     async def close(self) -> None:
-        if self._count_task is not None:
-            self._count_task.cancel()
+        for task in (self._count_task, self._forget_task):
+            if task is not None:
+                task.cancel()
         try:
             await self.drain()
         except Exception:  # etcd may be gone; the lease then expires by itself
