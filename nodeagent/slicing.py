@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from nodeagent.handover import Handover
-from pdcoord.keepalive import DEFAULT_DETECT_S
+from pdcoord.keepalive import UNADVERTISED_DETECT_S
 
 
 def rotation_start(node_id: str, masters: int) -> int:
@@ -137,14 +137,14 @@ FIRST_CONNECT_MIN_S = 5.0
 # the engine's counts.
 GONE_SAMPLE_DELAY_S = 0.25
 
-# How long a master may take to notice a dead agent stream: by default its keep-alive ping after
-# 0.65 s without reads and 1 s to answer (pdcoord.keepalive), and a little slack. Strict handover
+# How long a master may take to notice a dead agent stream, and a little slack. Strict handover
 # frees a departed master's slots only on engine samples taken after this, so it must cover that
 # detection; the grace need not (it only decides when the master leaves the split's targets). A
-# master with a longer keep-alive advertises its ``detect_s`` in etcd, and the agent then allows
-# that plus the slack (Slicer.allow_peer_detect); never less than this.
+# master advertises its ``detect_s`` in etcd (3 s at the defaults), and the agent then allows that
+# plus the slack (Slicer.allow_peer_detect); never less than this floor, which covers a master whose
+# key does not say (an earlier release: a ping after 0.65 s without reads, 1 s to answer it).
 PEER_DETECT_SLACK_S = 0.1
-PEER_DETECT_S = DEFAULT_DETECT_S + PEER_DETECT_SLACK_S  # 1.75 s
+PEER_DETECT_S = UNADVERTISED_DETECT_S + PEER_DETECT_SLACK_S  # 1.75 s
 
 # Before an engine sample that strict handover brackets with Acks: how long to wait for them.
 BRACKET_ACK_WAIT_S = 1.0
@@ -207,8 +207,9 @@ class Slicer:
     capacity: int
     policy: SharePolicy = field(default_factory=SharePolicy)
     # How long a master may take to notice that its stream to this agent is dead (its gRPC
-    # keep-alive: at most 1.65 s by default); until then it may still place work here under its last
-    # share. Only grows (allow_peer_detect), for every master: one bound for all is simpler to trust.
+    # keep-alive, as its etcd key says: 3 s at the defaults, 1.65 s for a key that does not say);
+    # until then it may still place work here under its last share. Only grows (allow_peer_detect),
+    # for every master: one bound for all is simpler to trust.
     peer_detect_s: float = PEER_DETECT_S
     probe: bool = True
     now: float = 0.0

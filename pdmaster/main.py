@@ -73,7 +73,10 @@ def build_parser() -> EnvArgumentParser:
         type=positive_float,
         default=DEFAULT_KEEPALIVE_S,
         help="seconds without a message on an agent's stream before this master pings it: how fast a "
-        "silently cut agent is noticed, against CPU (pings are most of an idle master's work)",
+        "silently cut agent is noticed, against CPU (pings are most of an idle master's work). The "
+        "master advertises --keepalive + --keepalive-timeout in etcd and its agents let strict handover "
+        "wait that long; agents of releases that do not read it allow 1.65 s, so until they are "
+        "upgraded run 0.65",
     )
     g.add_argument(
         "--keepalive-timeout",
