@@ -109,8 +109,10 @@ class AgentConfig:
     running_max_req_size: int
     start_args: dict[str, str] = field(default_factory=dict)
     # Heartbeat: a report when nothing changed. A grant change is reported at once, a load change
-    # within load_report_interval, and liveness is gRPC keep-alive's job, so a heartbeat carries
-    # nothing new; at 10 s the heartbeats cost a master 0.3 % of a core per 100 idle agents.
+    # within load_report_interval, the engine's liveness verdict at once when it flips (an engine
+    # that stays down sends nothing more), and the streams' liveness is gRPC keep-alive's job (the
+    # master has no timeout on a silent stream), so a heartbeat carries nothing new; at 10 s the
+    # heartbeats cost a master 0.3 % of a core per 100 idle agents.
     report_interval: float = 30.0
     # A load change (display only on the master) is reported at most this often.
     load_report_interval: float = 2.0
@@ -587,7 +589,15 @@ class NodeAgent:
         to follow, and polling every master each rebalance interval would cost an idle fleet two
         messages per node and master a second; a master that starts working here changes the
         engine's load, which is reported within the load interval and brings its Ack (without a
-        working load signal that cannot happen, so then it keeps asking)."""
+        working load signal that cannot happen, so then it keeps asking).
+
+        An engine that is down (the liveness check's verdict) takes no new work from any master, so
+        there is no demand to follow here either, whatever the last Acks said and although its load
+        probe fails too: when it answers again the verdict's flip reports to every master at once, and
+        their Acks bring the demand back. Asking anyway made a fleet whose engines all restart at
+        once (a rollout) send a Report and get an Ack per node and master every second."""
+        if not self.engine.up:
+            return False
         if not self.load.probe_ok:
             return True
         for link in self.links.values():
