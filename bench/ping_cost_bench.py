@@ -4,7 +4,8 @@ The master's steady state with 100 agents is mostly keep-alive pings (bench/READ
 processes"). This isolates them: a gRPC aio server with the master's channel options and one client
 process with N channels (one TCP connection each, the agents' options), every stream opened and then
 idle, and the server's CPU-seconds over the window for several master ping periods. Nothing but
-pings crosses the connections after the first message.
+pings crosses the connections after the first message. The same with real masters and 100 agent
+processes: bench/quiet_fleet_bench.py.
 
     .venv/bin/python bench/ping_cost_bench.py                 # 100 streams, 20 s per variant
     .venv/bin/python bench/ping_cost_bench.py --streams 200 --window 30
@@ -27,6 +28,7 @@ import grpc
 from peers import RESULTS, cpu_seconds, environment
 
 from nodeagent.agent import GRPC_CLIENT_OPTIONS, master_channel_options
+from pdcoord.keepalive import UNADVERTISED_KEEPALIVE_S
 from pdmaster.server import GRPC_SERVER_OPTIONS
 
 NO_PING_MS = 3_600_000
@@ -113,7 +115,7 @@ def main() -> None:
     p.add_argument("--ping-ms", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument(
         "--keepalive",
-        default="2,5",
+        default="5",
         help="also: masters with these --keepalive values (seconds, comma-separated), the agents' "
         "pings following as they do against such a master",
     )
@@ -125,10 +127,14 @@ def main() -> None:
         asyncio.run(_clients(int(args.clients), args.streams, args.ping_ms))
         return
     master_ms = dict(GRPC_SERVER_OPTIONS)["grpc.keepalive_time_ms"]
-    agent_ms = dict(GRPC_CLIENT_OPTIONS)["grpc.keepalive_time_ms"]
+    # the agents ping a master a little later than it pings them (master_channel_options)
+    follow_ms = dict(master_channel_options(master_ms / 1000))["grpc.keepalive_time_ms"]
+    agent_ms = dict(GRPC_CLIENT_OPTIONS)["grpc.keepalive_time_ms"]  # their own floor, 1 s
+    earlier_ms = round(UNADVERTISED_KEEPALIVE_S * 1000)
     variants = [
         ("no keep-alive pings", NO_PING_MS, NO_PING_MS),
-        (f"the defaults (master {master_ms} ms, agents {agent_ms} ms)", master_ms, agent_ms),
+        (f"the defaults (master {master_ms} ms, agents {follow_ms} ms)", master_ms, follow_ms),
+        (f"the earlier defaults (master {earlier_ms} ms, agents {agent_ms} ms)", earlier_ms, agent_ms),
         ("master 1 000 ms (agents' own 1 s timer races it)", 1000, agent_ms),
         ("agents only (1 s), master none", NO_PING_MS, agent_ms),
     ]
