@@ -503,6 +503,9 @@ class AdmissionCore:
         # inf: no target for the class. A target also caps the class's wait timeout: a waiter that
         # has already missed it holds a client for nothing.
         self._targets = {c: float(tw.get(c, 0)) or math.inf for c in CLASS_ORDER}
+        # What a granted request still waits after this queue before its engine work starts (two-stage
+        # admission's decode stage, ``pdmaster.staged_admission``): part of the wait the target bounds.
+        self.later_wait_s = 0.0
         self._waits = {c: min(float(self.policy.max_wait_s[c]), self._targets[c]) for c in CLASS_ORDER}
         # nodes
         self._shares: dict[str, int] = {}
@@ -992,6 +995,8 @@ class AdmissionCore:
                 # so this arrival runs at once: never refuse it.
                 return None
         wait = self.expected_wait(t.request_class, t.slots, self._now)
+        if wait is not None:
+            wait += self.later_wait_s
         return wait if wait is not None and wait > target else None
 
     def _retry_hint(self, wait: float) -> Reason:

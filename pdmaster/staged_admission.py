@@ -15,6 +15,9 @@ per-node shares, in DRR order by class. So
   ``decode_sent`` see decode leases only, as before;
 * what grows is the prefill work in flight, by at most L slots: requests that prefilled while every
   decode slot was busy and wait, their KV held by the prefill engine, for the next free slot;
+* the target wait (``--admission-target-wait``) bounds both waits: the gate adds the decode stage's
+  recent mean wait to the expected wait it checks (``AdmissionCore.later_wait_s``), else a lookahead
+  full of prefilled requests would stretch TTFT past the SLO the target stands for;
 * a request the decode stage would refuse whatever it waited for (no capacity, a gang larger than
   every share) is refused before its prefill (:meth:`AdmissionCore.refusal`); the gate is closed
   (capacity 0) while the decode capacity is 0.
@@ -50,6 +53,8 @@ from pdmaster.metrics import AdmissionMetrics
 __all__ = ["GATE_NODE", "GatePass", "StagedAdmission", "StagedLease", "make_admission"]
 
 GATE_NODE = "prefill-gate"  # the gate's one pseudo node
+# Weight of the newest decode-stage wait in the running mean the gate adds to its expected wait.
+DECODE_WAIT_WEIGHT = 0.1
 
 
 class GatePass(Lease):
@@ -212,6 +217,10 @@ class StagedAdmission(AdmissionController):
         if not isinstance(gate_pass, GatePass) or gate_pass.decode is not None:
             raise ValueError("acquire_decode needs a gate pass from acquire() without a decode lease")
         lease = await self.acquire_lease(slots, request_class, None, avoid=avoid)
+        assert self.gate is not None
+        # The gate's target wait bounds the whole wait, so it hears what the decode stage adds.
+        gate = self.gate.core
+        gate.later_wait_s += DECODE_WAIT_WEIGHT * ((lease.ticket.wait_s or 0.0) - gate.later_wait_s)
         return StagedLease(lease, gate_pass)
 
     # ------------------------------------------------------------------ shares and the gate's size
@@ -258,6 +267,7 @@ class StagedAdmission(AdmissionController):
         assert self.gate is not None
         snap["gate"] = self.gate.snapshot()
         snap["prefill_lookahead"] = self.lookahead
+        snap["decode_wait_mean_s"] = round(self.gate.core.later_wait_s, 4)
         return snap
 
     def close(self) -> None:

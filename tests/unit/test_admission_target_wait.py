@@ -271,3 +271,18 @@ async def test_adapter_refuses_with_429_retry_after_and_counts_the_outcome() -> 
     assert lease.deadline == clock.now + 4.0
     lease.release()
     ctl.close()
+
+
+def test_a_later_stage_s_wait_counts_against_the_target() -> None:
+    """Two-stage admission: what a granted request still waits in the decode stage is part of the
+    wait the target bounds (``later_wait_s``), so the gate refuses earlier."""
+    clock = Clock()
+    core = make(clock, 5.0)
+    warm(core, clock, hold=10.0)
+    fill(core)  # 0.2 slots/s: a first waiter expects 5 s, not above the target
+    core.later_wait_s = 1.0  # the decode stage adds a second
+    t = core.submit(1, COLD)
+    assert t.state is R and t.reason is not None and t.reason.code == EXPECTED_WAIT
+    assert t.reason.retry_after_s == pytest.approx(6.0, rel=0.01)
+    core.later_wait_s = 0.0
+    assert core.submit(1, COLD).state is Q

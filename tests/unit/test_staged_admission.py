@@ -200,3 +200,18 @@ def test_the_master_refuses_a_lookahead_it_cannot_use() -> None:
     bypass = AdmissionPolicy(prefill_lookahead=0.25, bypass=True)
     with pytest.raises(ConfigError, match="--disable-decode-capacity-limit"):
         MasterConfig("m1", etcd, engine_protocol="vllm", admission=bypass)
+
+
+async def test_the_gate_hears_the_decode_stage_s_wait() -> None:
+    adm = make({"d1": 1}, lookahead=1.0)
+    assert adm.gate is not None and adm.gate.core.later_wait_s == 0.0
+    p1 = await adm.acquire_pass(1, COLD)
+    first = await adm.acquire_decode(p1, 1, COLD)
+    p2 = await adm.acquire_pass(1, COLD)
+    second = asyncio.ensure_future(adm.acquire_decode(p2, 1, COLD))
+    await asyncio.sleep(0.2)  # the prefilled request waits for the decode slot
+    first.release()
+    await asyncio.wait_for(second, 5)
+    assert adm.gate.core.later_wait_s > 0.01  # a running mean of the decode-stage waits
+    assert adm.snapshot()["decode_wait_mean_s"] == pytest.approx(adm.gate.core.later_wait_s, abs=1e-3)
+    p2.release()
