@@ -107,6 +107,10 @@ def contender_spec(name: str) -> dict[str, Any]:
         # -staged: two-stage admission, --prefill-lookahead 0.25 (-stagedNN: NN %)
         staged = [p for p in parts if p.startswith("staged")]
         spec["lookahead"] = (int(staged[0][6:]) / 100 if staged[0][6:] else 0.25) if staged else 0.0
+        # -overNN: each decode agent advertises NN % more than its engine's batch cap (bounded
+        # over-admission: what is preallocated or in transfer holds no batch slot in the engine)
+        over = [p for p in parts if p.startswith("over") and p[4:].isdigit()]
+        spec["over"] = int(over[0][4:]) / 100 if over else 0.0
     else:
         raise SystemExit(f"--contenders: unknown contender {name!r}")
     return spec
@@ -285,7 +289,13 @@ def run_one(
             for name, cap in capacities.items():
                 role = "prefill" if name.startswith("p") else "decode"
                 ea = engine_args(args, role, vllm)
-                if spec["kind"] == "pdcoord":
+                if spec["kind"] == "pdcoord" and role == "decode" and spec.get("over"):
+                    engines[name] = c.start_engine(name, role, cap, fast=False, **ea)
+                    advertised = math.ceil(cap * (1 + spec["over"]))
+                    c.start_agent(name, role, endpoint=engines[name].url, capacity=advertised,
+                                  bootstrap_port=engines[name].bootstrap_port)  # fmt: skip
+                    capacities[name] = advertised
+                elif spec["kind"] == "pdcoord":
                     engines[name] = c.start_node(name, role, cap, fast=False, engine_args=ea)
                 else:
                     engines[name] = c.start_engine(name, role, cap, fast=False, **ea)
