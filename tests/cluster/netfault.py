@@ -284,6 +284,8 @@ class Network:
         }
 
     def _delete(self, fault: Fault) -> None:
+        if not fault.handles:
+            return  # healed already
         with contextlib.suppress(NetfaultError):
             counts = self._counters()
             fault.dropped = sum(counts.get(h, 0) for h in fault.handles)
@@ -774,6 +776,8 @@ class Faulted:
     killed: dict[str, float] = field(default_factory=dict)  # master -> when it was SIGKILLed
     notes: dict[str, Any] = field(default_factory=dict)
     min_hold_s: float = 0.0  # how long the fault lasts at least once ``apply`` returned
+    # set by a fault that measured it itself while ``apply`` ran (the slow etcd: its failover)
+    survivors_full_s: float | None = None
     heal_on_error: Callable[[], None] | None = None  # undoes what ``heal`` might not have reached
 
 
@@ -784,6 +788,8 @@ class ScenarioResult:
     cut_s: float
     survivors_full_s: float | None  # from the fault to its owners holding every node; None: not in the cut
     full_after_heal_s: float | None  # from the heal to the exact split on every master; None: not converged
+    unheld_s: float  # time during the fault in which the owners did not hold their exact split
+    longest_unheld_s: float  # its longest stretch
     min_capacity: dict[str, int]  # per master, the least decode capacity seen during the fault
     requests: int
     sent: int
@@ -880,21 +886,37 @@ def run_scenario(
     survivors_full: float | None = None
     full_after_heal: float | None = None
     min_cap: dict[str, int] = {}
+    unheld = longest_unheld = 0.0  # seconds of the fault in which the owners did not hold their split
     t_cut = t_heal = time.monotonic()
     try:
         load.wait_for_results(users, timeout=30)
         t_cut = time.monotonic()
         faulted = apply(fleet)
         owners = faulted.owners or {n: list(MASTERS) for n in CAPS}
-        until = max(t_cut + cut_s, time.monotonic() + faulted.min_hold_s)
+        t_applied = time.monotonic()
+        until = max(t_cut + cut_s, t_applied + faulted.min_hold_s)
+        last = t_applied  # the previous sample
+        since: float | None = None  # the start of the current stretch not held
         while (now := time.monotonic()) < until:
+            held = False
             with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
-                if survivors_full is None and holds(fleet.table(), owners, CAPS):
+                held = holds(fleet.table(), owners, CAPS)
+            if held:
+                if survivors_full is None:
                     survivors_full = now - t_cut
+                if since is not None:
+                    longest_unheld = max(longest_unheld, now - since)
+                    since = None
+            else:
+                unheld += now - last
+                since = now if since is None else since
+            last = now
             for m, cap in fleet.capacities().items():
                 min_cap[m] = min(min_cap.get(m, cap), cap)
             time.sleep(0.05)
         t_heal = time.monotonic()
+        if since is not None:
+            longest_unheld = max(longest_unheld, t_heal - since)
         faulted.heal()
         with contextlib.suppress(TimeoutError):
             full_after_heal = fleet.wait_exact(heal_timeout_s)
@@ -918,12 +940,16 @@ def run_scenario(
     ended = sum(len(r.attempts) for r in results)
     if ended != sent:
         bad.append(f"{sent} requests sent, {ended} ended")
+    if faulted is not None and faulted.survivors_full_s is not None:
+        survivors_full = faulted.survivors_full_s
     result = ScenarioResult(
         name=name,
         what=what,
         cut_s=round(t_heal - t_cut, 2),
         survivors_full_s=None if survivors_full is None else round(survivors_full, 2),
         full_after_heal_s=None if full_after_heal is None else round(full_after_heal, 2),
+        unheld_s=round(unheld, 2),
+        longest_unheld_s=round(longest_unheld, 2),
         min_capacity=min_cap,
         requests=len(results),
         sent=sent,
@@ -939,7 +965,8 @@ def run_scenario(
     healed = "never" if full_after_heal is None else f"{full_after_heal:.2f}s"
     log(
         f"{name}: {what}; its owners held everything {full} into the {result.cut_s:.1f}s fault, the exact "
-        f"split {healed} after the heal; least capacity {min_cap}; {len(results)} requests "
+        f"split {healed} after the heal; not held {result.unheld_s:.2f}s (longest "
+        f"{result.longest_unheld_s:.2f}s); least capacity {min_cap}; {len(results)} requests "
         f"{result.outcomes}; over capacity {result.over_capacity}, held high water "
         f"{result.held_high_water}, queued {result.queued}; {result.dropped_packets} packets dropped; "
         f"{result.notes}"
@@ -1040,6 +1067,7 @@ def slow_etcd(fleet: Fleet, delay_ms: float = 300.0, jitter_ms: float = 200.0) -
     except BaseException:
         heal()
         raise
+    result.survivors_full_s = failover
     result.notes.update(
         failover_s=round(failover, 2),  # SIGKILL -> m1 holds every node
         restart_s=round(restart, 2),  # start -> registered (waits for the killed one's lease to expire)
