@@ -657,6 +657,16 @@ class AdmissionCore:
         """Queued demand in slots (what the master reports to agents as ``wanted_slots``)."""
         return self._queued_slots
 
+    def forget_node(self, node: str) -> bool:
+        """Drop what this core keeps for ``node`` (its Ack bookkeeping) once it holds no share and no
+        lease there: the master forgot the node (its agent left for good). False, and nothing
+        dropped, while it still has either. A node that comes back starts afresh."""
+        if self._shares.get(node) or self._active.get(node):
+            return False
+        for per_node in (self._granted_on, self._unseen_on, self._in_decode, self._ack_gen, self._old):
+            per_node.pop(node, None)
+        return True
+
     def refusal(self, slots: int) -> Reason | None:
         """Why :meth:`submit` would refuse ``slots`` at once whatever the queue holds (no capacity, or
         more than any share), or None. Lets an earlier stage refuse before doing work for nothing."""

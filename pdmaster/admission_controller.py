@@ -298,6 +298,11 @@ class AdmissionController:
     def wanted_slots(self) -> int:
         return self.core.wanted_slots()
 
+    def forget_node(self, node: str) -> bool:
+        """Drop ``node`` from the core (``AdmissionCore.forget_node``): after the master forgot it."""
+        self.update_shares({node: 0})
+        return self.core.forget_node(node)
+
     def close(self) -> None:
         """Stop the timeout timer (waiters are ended by their own tasks' cancellation)."""
         self._closed = True

@@ -345,7 +345,7 @@ class MasterServer:
         router.prefill_in_flight.pop(node_id, None)
         router.index.remove_node(node_id)
         self.breakers.breakers.pop(node_id, None)
-        self.admission.update_shares({node_id: 0})  # it holds none already (its stream is down)
+        self.admission.forget_node(node_id)  # it holds no share there already (its stream is down)
         self.metrics.forget_node(node_id)
         log.info(
             "node %s (%s) forgotten: %s, and no request of this master runs there",

@@ -837,3 +837,23 @@ def test_bypass_ignores_pauses() -> None:
     assert core.submit(1, COLD).state is G and core.pauses == 0
     with pytest.raises(ValueError, match="hold_s"):
         make({"d1": 1}).watch_pauses(resumed, hold_s=-1.0)
+
+
+def test_forget_node_drops_its_bookkeeping_only_once_nothing_is_held_there() -> None:
+    core = AdmissionCore(AdmissionPolicy(), clock=lambda: 0.0)
+    core.set_shares({"d1": 2, "d2": 2})
+    t = core.submit(1, RequestClass.COLD)
+    assert t.node is not None
+    node = t.node
+    core.decode_sent(t)
+    core.kept_since(node, None)  # an Ack was built for the node
+    assert not core.forget_node(node)  # a share and a lease there: nothing dropped
+    core.update_shares({node: 0})
+    assert not core.forget_node(node)  # the lease still runs
+    core.release(t)
+    assert core.forget_node(node)
+    for per_node in (core._granted_on, core._unseen_on, core._in_decode, core._ack_gen, core._old):
+        assert node not in per_node
+    core.update_shares({node: 2})  # it comes back: a fresh start
+    assert core.granted_on(node) == 0 and core.in_decode_on(node) == 0
+    assert core.submit(1, RequestClass.COLD).state is TicketState.GRANTED
