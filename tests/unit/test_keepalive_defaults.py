@@ -147,8 +147,8 @@ def test_earlier_agents_beside_default_masters_can_overshoot_today_s_agents_cann
     """The protocol model (random partitions, kills and restarts in virtual time): a master at the
     defaults notices a cut within 3 s. Today's agents ping it after 2.35 s and allow it 3.1 s; earlier
     agents ping it after 1 s and allow it 1.75 s, and in a few runs strict handover then hands a
-    cut-off master's slots on while it still places work there (seeds 218 and 254 of 0-599; none with
-    today's agents). Seeds 200-259 are checked here."""
+    cut-off master's slots on while it still places work there (5 of seeds 0-599: 218, 254, 331, 367,
+    497; none with today's agents). Seeds 200-259 are checked here."""
     new = _sim(DEFAULT_DETECT_S, DEFAULT_KEEPALIVE_S + 0.35 + 1.0, DEFAULT_DETECT_S + PEER_DETECT_SLACK_S)
     earlier = dataclasses.replace(new, agent_detect_s=2.0, peer_detect_s=old.AGENT_PEER_DETECT_S)
     seeds = range(200, 260)
