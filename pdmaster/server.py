@@ -55,6 +55,9 @@ FORGET_POLL_S = 1.0
 KEY_CHECK_S = 10.0
 # More keys than this due in one pass: one range read of nodes/ instead of one read each.
 KEY_CHECK_MAX_GETS = 16
+# While the etcd lease is lost: how often the master looks for nodes where its last lease ended, to
+# tell their agents at once that it drains there (CoordinationService.push_draining).
+LOST_DRAIN_POLL_S = 0.05
 
 
 # Keep-alive, so that a silently cut agent stream is noticed within --keepalive + --keepalive-timeout
@@ -188,6 +191,7 @@ class MasterServer:
         # its etcd lease alive (see _on_lease_held).
         self._lease_held = False
         self._lease_losses = 0
+        self._lost_drain_task: asyncio.Task[None] | None = None
         self.keys = Keys.for_cluster(cfg.etcd.cluster, cfg.etcd.prefix)
         self.metrics_registry = CollectorRegistry()
         self.metrics = MasterMetrics(self.metrics_registry, self.master_id)
@@ -271,15 +275,32 @@ class MasterServer:
         margin before that moment (``Registration.held``) admission drops to capacity 0: queued
         requests are refused (503), new ones too, readiness fails. Running requests finish: they are
         covered by strict handover or counted as the orphan's, exactly as those of a master cut from
-        an agent while registered. Once etcd confirms the lease again, or the key is re-created under
-        a new lease, admission takes the shares the agents grant it now (those that handed them on
-        grant them back through strict handover).
+        an agent while registered. Meanwhile, wherever none of its leases runs any more, its Acks say
+        it drains and go out at once (CoordinationService.push_draining): the agent takes it out of
+        the split with nothing reserved and hands its share to the other masters without waiting for
+        an engine sample, before its key expires. Once etcd confirms the lease again, or the key is
+        re-created under a new lease, the streams whose Acks said so are closed first (the agents
+        re-register it with what they grant now, through strict handover), then admission takes the
+        shares the agents grant it on the others.
         """
         if held == self._lease_held:
             return
         self._lease_held = held
         self.metrics.lease_held.set(1 if held else 0)
         if held:
+            if self._lost_drain_task is not None:
+                self._lost_drain_task.cancel()
+                self._lost_drain_task = None
+            # Before reading the shares: a stream whose Ack said draining may hold grants the agent
+            # gave before it took this master out of the split; it is closed and counts 0.
+            closed = self.coordination.lease_back()
+            if closed:
+                log.info(
+                    "master %s: closed the streams of %d node(s) it drained from while its lease was "
+                    "lost; their agents re-register it with what they grant now",
+                    self.master_id,
+                    len(closed),
+                )
             shares = self.registry.decode_shares()
             if self._lease_losses:
                 log.warning(
@@ -299,6 +320,19 @@ class MasterServer:
                 self.master_id,
             )
             self.admission.set_shares({})
+            # Only now (nothing can be granted any more): its Acks say it drains wherever none of
+            # its leases runs, so the agents hand those shares on before its key expires.
+            self.coordination.lease_lost = True
+            self.coordination.push_draining()
+            self._lost_drain_task = asyncio.get_running_loop().create_task(
+                self._lost_drain_loop(), name="lost-drain"
+            )
+
+    async def _lost_drain_loop(self) -> None:
+        """While the lease is lost: tell each agent as soon as this master's last lease there ended."""
+        while self.coordination.lease_lost:
+            await asyncio.sleep(LOST_DRAIN_POLL_S)
+            self.coordination.push_draining()
 
     # -- engine faults --------------------------------------------------------------------------
     def _on_breaker(self, node_id: str, breaker: CircuitBreaker) -> None:
@@ -618,7 +652,7 @@ class MasterServer:
             self.lifecycle.registered_while(lambda: False)
 
     async def close(self) -> None:
-        for task in (self._count_task, self._forget_task):
+        for task in (self._count_task, self._forget_task, self._lost_drain_task):
             if task is not None:
                 task.cancel()
         try:
