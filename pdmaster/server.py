@@ -22,7 +22,12 @@ from prometheus_client import CollectorRegistry
 from pdcoord import __version__
 from pdcoord.etcd import EtcdClient, EtcdError
 from pdcoord.gctuning import tune_gc
-from pdcoord.keepalive import DEFAULT_DETECT_S, DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S
+from pdcoord.keepalive import (
+    DEFAULT_DETECT_S,
+    DEFAULT_KEEPALIVE_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    UNADVERTISED_DETECT_S,
+)
 from pdcoord.keys import Keys
 from pdcoord.registration import AlreadyRegistered, Registration
 from pdcoord.retry import Outage, register_with_retry
@@ -61,7 +66,7 @@ LOST_DRAIN_POLL_S = 0.05
 
 
 # Keep-alive, so that a silently cut agent stream is noticed within --keepalive + --keepalive-timeout
-# (0.65 + 1 s by default) even when it carries nothing. Strict handover relies on the agents allowing
+# (2 + 1 s by default) even when it carries nothing. Strict handover relies on the agents allowing
 # a master that long before an engine sample may free what it held there: the master advertises the
 # sum in its etcd key (``detect_s``), and the agents never allow less than
 # nodeagent.slicing.PEER_DETECT_S (1.75 s; the protocol model checks the pair). The answer time was
@@ -595,10 +600,20 @@ class MasterServer:
         )
         if cfg.detect_s > DEFAULT_DETECT_S:
             log.warning(
+                "--keepalive %g s + --keepalive-timeout %g s: a cut agent stream is noticed within %.2f s, "
+                "later than the default %.2f s",
+                cfg.keepalive,
+                cfg.keepalive_timeout,
+                cfg.detect_s,
+                DEFAULT_DETECT_S,
+            )
+        if cfg.detect_s > UNADVERTISED_DETECT_S:
+            log.info(
                 "--keepalive %g s + --keepalive-timeout %g s: a cut agent stream is noticed within %.2f s; "
                 "agents that do not read detect_s from this master's etcd key (releases before it was "
                 "added) allow a master 1.75 s only, so after a silent network cut their strict "
-                "handover could hand this master's slots on too early",
+                "handover could hand this master's slots on too early: upgrade agents first, or run "
+                "--keepalive 0.65 until the last of them is gone",
                 cfg.keepalive,
                 cfg.keepalive_timeout,
                 cfg.detect_s,
