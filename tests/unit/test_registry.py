@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdmaster.coordination import CoordinationService
+from pdmaster.coordination import CoordinationService, _Stream
 from pdmaster.metrics import MasterMetrics
 from pdmaster.registry import DECODE, PREFILL, GrantResult, NodeRegistry, ProtocolError, kept_slots
 
@@ -136,10 +136,12 @@ def test_an_ack_carries_what_the_core_says_was_kept() -> None:
     svc = CoordinationService(
         "m", NodeRegistry(), metrics, slots=lambda _node: (counts["active"], 0), kept=kept
     )
-    msg, mark = svc._ack("d1", 7, 1, None)
+    st = _Stream("d1", 1, decode=True)
+    msg, mark = svc._ack("d1", 7, 1, None, st)
     assert msg.ack.active_slots == 5 and msg.ack.kept_slots == 3 and mark == 1
+    assert not msg.ack.draining and not st.said_draining
     counts["kept"] = 4
-    msg, mark = svc._ack("d1", 7, 2, mark)
+    msg, mark = svc._ack("d1", 7, 2, mark, st)
     assert msg.ack.kept_slots == 4 and mark == 2 and calls == [("d1", None), ("d1", 1)]
     without = CoordinationService("m", NodeRegistry(), metrics, slots=lambda _: (5, 0))
-    assert not without._ack("d1", 7, 1, None)[0].ack.HasField("kept_slots")  # as an earlier release
+    assert not without._ack("d1", 7, 1, None, st)[0].ack.HasField("kept_slots")  # as an earlier release
