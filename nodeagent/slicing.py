@@ -45,6 +45,16 @@ def slice_shares(capacity: int, masters: Iterable[str], node_id: str) -> dict[st
     return shares
 
 
+def share_table(masters: Iterable[str], capacities: Mapping[str, int]) -> dict[str, dict[str, int]]:
+    """master -> node -> its static share when exactly ``masters`` are live (``slice_shares`` per node)."""
+    names = list(masters)
+    table: dict[str, dict[str, int]] = {m: {} for m in names}
+    for node, cap in capacities.items():
+        for m, s in slice_shares(cap, names, node).items():
+            table[m][node] = s
+    return table
+
+
 def demand_shares(
     capacity: int, demands: Mapping[str, int], node_id: str, floor: int = 1, top_up: bool = False
 ) -> dict[str, int]:

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from nodeagent.slicing import slice_shares
+from nodeagent.slicing import share_table
 from pdcoord.dev.cluster import LocalCluster, http_json, scrape_metrics
 from pdcoord.dev.loadgen import BackgroundLoad, LoadConfig, Outcome, RequestMix
 
@@ -134,12 +134,7 @@ def start_master_retrying(cluster: LocalCluster, master_id: str, timeout: float 
 
 def expected_share_table(masters: Iterable[str], caps: dict[str, int]) -> dict[str, dict[str, int]]:
     """master -> node -> share that the slicing function gives when exactly ``masters`` are live."""
-    names = list(masters)
-    table: dict[str, dict[str, int]] = {m: {} for m in names}
-    for node, cap in caps.items():
-        for m, s in slice_shares(cap, names, node).items():
-            table[m][node] = s
-    return table
+    return share_table(masters, caps)
 
 
 def churn_masters(

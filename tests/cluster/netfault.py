@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nodeagent.slicing import slice_shares
+from nodeagent.slicing import share_table, slice_shares
 from pdcoord.dev.cluster import Agent, Engine, LocalCluster, Master, _flags, http_json, scrape_metrics
 from pdcoord.dev.etcd_server import etcd_argv, find_etcd_binary
 from pdcoord.dev.launcher import ProcessGroup
@@ -737,16 +737,6 @@ def engine_counts(c: LocalCluster, names: Iterable[str]) -> dict[str, dict[str, 
     return out
 
 
-def exact_table(masters: Iterable[str], caps: dict[str, int]) -> dict[str, dict[str, int]]:
-    """master -> node -> the static split's share when exactly ``masters`` are live."""
-    names = list(masters)
-    table: dict[str, dict[str, int]] = {m: {} for m in names}
-    for node, cap in caps.items():
-        for m, s in slice_shares(cap, names, node).items():
-            table[m][node] = s
-    return table
-
-
 def holds(table: dict[str, dict[str, int]], owners: dict[str, list[str]], caps: dict[str, int]) -> bool:
     """Every node's capacity is held, exactly as the static split gives it, by its ``owners``."""
     for node, cap in caps.items():
@@ -847,7 +837,7 @@ class Fleet:
         return self.c.share_table()
 
     def exact(self) -> bool:
-        return self.table() == exact_table(MASTERS, CAPS)
+        return self.table() == share_table(MASTERS, CAPS)
 
     def wait_exact(self, timeout: float) -> float:
         return self.c.wait_for(self.exact, timeout, interval=0.05)

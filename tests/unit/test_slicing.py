@@ -14,6 +14,7 @@ from nodeagent.slicing import (
     Slicer,
     next_epoch,
     rotation_start,
+    share_table,
     slice_shares,
 )
 
@@ -145,3 +146,12 @@ def test_a_second_lost_stream_gets_its_own_grace_while_the_first_master_is_still
         assert s.next_grace_deadline(12.5) is None
         later = s.next_deadline(12.5)
         assert later is None or later > 12.5
+
+
+def test_share_table_is_slice_shares_per_node() -> None:
+    caps = {"d1": 7, "d2": 4, "p1": 8}
+    table = share_table(["m2", "m1", "m3"], caps)
+    assert set(table) == {"m1", "m2", "m3"}
+    for node, cap in caps.items():
+        assert {m: table[m][node] for m in table} == slice_shares(cap, ["m1", "m2", "m3"], node)
+        assert sum(table[m][node] for m in table) == cap
