@@ -109,7 +109,9 @@ class _Gate(AdmissionController):
 class _PassContext(contextlib.AbstractAsyncContextManager[Lease]):
     __slots__ = ("_admission", "_args", "_kw", "_pass")
 
-    def __init__(self, admission: StagedAdmission, args: tuple[int, RequestClass, str | None], **kw: Any):
+    def __init__(
+        self, admission: StagedAdmission, args: tuple[int, RequestClass, str | None], **kw: Any
+    ) -> None:
         self._admission = admission
         self._args = args
         self._kw = kw
