@@ -469,11 +469,14 @@ def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
     peak_queue = 0.0
     sum_running_max = 0.0
     idle_shares: list[float] = []
+    busy: list[float] = []  # Σ running / decode capacity, per sample
+    capacity = sum(DECODES.values())
     for s in run["samples"]:
         eng = s["engines"]
         peak_queue = max(peak_queue, sum(eng[n]["queue"] for n in eng if n in dec))
         running = sum(eng[n]["running"] for n in eng if n in dec)
         sum_running_max = max(sum_running_max, running)
+        busy.append(min(1.0, running / capacity))
         if s.get("leased", 0) > 0:
             idle_shares.append(max(0.0, 1.0 - running / s["leased"]))
     return {
@@ -492,6 +495,7 @@ def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
         "engine_max_running": {n: counters[n].get("pdsim_max_running") for n in dec if n in counters},
         "decode_capacity": sum(DECODES.values()),
         "decode_idle_share_of_leases": round(statistics.mean(idle_shares), 3) if idle_shares else None,
+        "decode_busy_share": round(statistics.mean(busy), 3) if busy else None,
         "wall_s": run["wall_s"],
         "records_file": str(Path(run["log_dir"]) / "records.jsonl"),
     }

@@ -7,7 +7,7 @@ with the Mooncake trace's long prompts (bench/README.md, overload), capacity the
 
 How. A request first takes a *pass* from the gate: the ordinary admission queue (classes, DRR,
 sessions, gangs, timeouts, the target wait, eviction) over one pseudo node of this master's decode
-capacity C plus a lookahead L = ceil(lookahead * C). With the pass it runs its prefill; then it takes
+capacity C plus a lookahead L. With the pass it runs its prefill; then it takes
 its decode lease from the decode stage, an ordinary :class:`AdmissionController` over the exact
 per-node shares, in DRR order by class. So
 
@@ -15,6 +15,11 @@ per-node shares, in DRR order by class. So
   ``decode_sent`` see decode leases only, as before;
 * what grows is the prefill work in flight, by at most L slots: requests that prefilled while every
   decode slot was busy and wait, their KV held by the prefill engine, for the next free slot;
+* L follows the prefills (Little's law): the decode stage's completion rate times the recent mean
+  prefill time (pass to decode request), rounded up, at least 1 and at most ceil(lookahead * C) (the
+  flag is the ceiling; before the first measurements L is that ceiling). A fixed L kept about as many
+  requests prefilled and waiting for a slot as prefilling, and their wait went into TTFT; L = rate x
+  prefill time is what keeps the decode slots busy when the prefills finish as the slots free;
 * the target wait (``--admission-target-wait``) bounds both waits: the gate adds the decode stage's
   recent mean wait to the expected wait it checks (``AdmissionCore.later_wait_s``), else a lookahead
   full of prefilled requests would stretch TTFT past the SLO the target stands for;
@@ -55,6 +60,8 @@ __all__ = ["GATE_NODE", "GatePass", "StagedAdmission", "StagedLease", "make_admi
 GATE_NODE = "prefill-gate"  # the gate's one pseudo node
 # Weight of the newest decode-stage wait in the running mean the gate adds to its expected wait.
 DECODE_WAIT_WEIGHT = 0.1
+# Weight of the newest prefill time (pass to decode request) in the running mean that sizes L.
+PREFILL_TIME_WEIGHT = 0.1
 
 
 class GatePass(Lease):
@@ -166,6 +173,7 @@ class StagedAdmission(AdmissionController):
             prefill_lookahead=0.0,
         )
         self.gate: _Gate | None = None
+        self.prefill_mean_s: float | None = None  # running mean of pass-to-decode-request times
         super().__init__(decode_policy, clock=clock, metrics=decode_metrics, master_id=master_id)
         self.gate = _Gate(self, policy, clock=clock, metrics=gate_metrics, master_id=master_id)
         self.sessions = self.gate.sessions
@@ -218,6 +226,10 @@ class StagedAdmission(AdmissionController):
         """The decode lease for a request holding ``gate_pass`` (from ``acquire``): released with it."""
         if not isinstance(gate_pass, GatePass) or gate_pass.decode is not None:
             raise ValueError("acquire_decode needs a gate pass from acquire() without a decode lease")
+        prefill_s = self._clock() - (gate_pass.ticket.granted_at or 0.0)
+        m = self.prefill_mean_s
+        self.prefill_mean_s = prefill_s if m is None else m + PREFILL_TIME_WEIGHT * (prefill_s - m)
+        self._resize_gate()
         lease = await self.acquire_lease(slots, request_class, None, avoid=avoid)
         assert self.gate is not None
         # The gate's target wait bounds the whole wait, so it hears what the decode stage adds.
@@ -237,9 +249,17 @@ class StagedAdmission(AdmissionController):
         super().update_shares(changes, node_capacity)
         self._resize_gate()
 
+    def lookahead_slots(self) -> int:
+        """L: the decode stage's completion rate x the mean prefill time, within [1, ceil(lookahead C)]."""
+        most = math.ceil(self.lookahead * self.core.capacity)
+        rate = self.core.completion_rate()
+        if rate is None or not math.isfinite(rate) or self.prefill_mean_s is None:
+            return most
+        return max(1, min(most, math.ceil(rate * self.prefill_mean_s)))
+
     def _resize_gate(self) -> None:
         c = self.core.capacity
-        share = c + math.ceil(self.lookahead * c) if c > 0 else 0
+        share = c + self.lookahead_slots() if c > 0 else 0
         if share != self._gate_share and self.gate is not None:
             self._gate_share = share
             self.gate.set_shares({GATE_NODE: share})
@@ -270,6 +290,8 @@ class StagedAdmission(AdmissionController):
         snap["gate"] = self.gate.snapshot()
         snap["prefill_lookahead"] = self.lookahead
         snap["decode_wait_mean_s"] = round(self.gate.core.later_wait_s, 4)
+        snap["lookahead_slots"] = self.lookahead_slots()
+        snap["prefill_mean_s"] = None if self.prefill_mean_s is None else round(self.prefill_mean_s, 4)
         return snap
 
     def close(self) -> None:

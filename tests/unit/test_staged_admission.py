@@ -215,3 +215,39 @@ async def test_the_gate_hears_the_decode_stage_s_wait() -> None:
     assert adm.gate.core.later_wait_s > 0.01  # a running mean of the decode-stage waits
     assert adm.snapshot()["decode_wait_mean_s"] == pytest.approx(adm.gate.core.later_wait_s, abs=1e-3)
     p2.release()
+
+
+async def _cycles(prefill_s: float, hold_s: float, cycles: int = 4) -> StagedAdmission:
+    """Eight requests at a time on a fake clock: pass, prefill_s, decode lease, hold_s, release."""
+    now = [0.0]
+    adm = StagedAdmission(
+        AdmissionPolicy(prefill_lookahead=1.0), clock=lambda: now[0], registry=CollectorRegistry()
+    )
+    adm.set_shares({"d1": 8})
+    for _ in range(cycles):
+        passes = [await adm.acquire_pass(1, COLD) for _ in range(8)]
+        now[0] += prefill_s
+        leases = [await adm.acquire_decode(p, 1, COLD) for p in passes]
+        now[0] += hold_s
+        for lease in leases:
+            lease.release()
+    return adm
+
+
+async def test_the_lookahead_follows_the_prefill_time_times_the_completion_rate() -> None:
+    adm = make({"d1": 8}, lookahead=1.0)
+    assert adm.lookahead_slots() == 8  # nothing measured yet: the flag's ceiling
+    # Short prefills against long decodes: one request prefilling ahead keeps the slots busy.
+    short = await _cycles(prefill_s=0.05, hold_s=0.95)
+    assert short.prefill_mean_s == pytest.approx(0.05)
+    assert short.lookahead_slots() == 1
+    assert short.gate is not None and short.gate.core.capacity == 8 + 1
+    # Prefills as long as the decodes: about half the slots' worth prefills ahead.
+    even = await _cycles(prefill_s=0.5, hold_s=0.5)
+    assert 3 <= even.lookahead_slots() <= 6
+    # Long prefills: the ceiling (lookahead 1.0: C more).
+    long = await _cycles(prefill_s=0.95, hold_s=0.05)
+    assert long.lookahead_slots() == 8
+    snap = long.snapshot()
+    assert snap["lookahead_slots"] == 8 and snap["gate"]["capacity"] == 16
+    assert snap["prefill_mean_s"] == pytest.approx(0.95)
