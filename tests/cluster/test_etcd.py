@@ -186,6 +186,15 @@ async def _collect(agen: AsyncIterator[WatchEvent], out: list[WatchEvent]) -> No
         out.append(ev)
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is stopped (a SIGSTOP takes effect per thread, not at ``kill``)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            states.append(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
+    return bool(states) and all(s in "Tt" for s in states)
+
+
 async def _wait_for(predicate: object, timeout: float, what: str) -> None:
     assert callable(predicate)
     deadline = time.monotonic() + timeout
@@ -649,6 +658,8 @@ async def test_a_late_answer_keeps_the_renewer_on_its_stream(local_etcd: LocalEt
             stream = renewer._call
             os.kill(local_etcd.pid, signal.SIGSTOP)
             try:
+                pid = local_etcd.pid
+                await _wait_for(lambda: _all_threads_stopped(pid), 10, "etcd stopped")
                 with pytest.raises(EtcdUnavailable, match="timed out"):
                     await renewer.renew()
             finally:
