@@ -87,7 +87,8 @@ SKEW = {2: (0.7, 0.3), 4: (0.7, 0.2, 0.05, 0.05)}
 
 def contender_spec(name: str) -> dict[str, Any]:
     """``sgl``, ``sgl-tuned``, ``sgl-tuned-x2-part[-skew]``, ``pdcoord-2[-skew|-nolimit|-w111|-vllm|…]``;
-    ``pdcoord-1-vllm-staged[NN]``: two-stage admission, lookahead NN % (default 25)."""
+    ``pdcoord-1-vllm-staged[NN]``: two-stage admission, lookahead NN % (default 25);
+    ``-ttft[NN]``: a time-to-first-token target of NN tenths of a second (default 18)."""
     parts = name.split("-")
     spec: dict[str, Any] = {"name": name, "skew": "skew" in parts, "routers": 1}
     if parts[0] == "sgl":
@@ -111,6 +112,9 @@ def contender_spec(name: str) -> dict[str, Any]:
         # over-admission: what is preallocated or in transfer holds no batch slot in the engine)
         over = [p for p in parts if p.startswith("over") and p[4:].isdigit()]
         spec["over"] = int(over[0][4:]) / 100 if over else 0.0
+        # -ttftNN: --admission-target-wait NN/10 s --admission-target-includes-prefill (default 1.8 s)
+        ttft = [p for p in parts if p.startswith("ttft") and (p[4:].isdigit() or not p[4:])]
+        spec["ttft"] = (int(ttft[0][4:]) / 10 if ttft[0][4:] else 1.8) if ttft else 0.0
     else:
         raise SystemExit(f"--contenders: unknown contender {name!r}")
     return spec
@@ -309,7 +313,10 @@ def run_one(
                     extra["disable_decode_capacity_limit"] = True
                 if spec["w111"]:
                     extra["admission_weights"] = "1:1:1"
-                if spec["target"] and args.target_wait:
+                if spec["ttft"]:
+                    extra["admission_target_wait"] = f"{spec['ttft'] * k:g}"
+                    extra["admission_target_includes_prefill"] = True
+                elif spec["target"] and args.target_wait:
                     extra["admission_target_wait"] = f"{args.target_wait * k:g}"
                 if vllm:
                     extra["engine_protocol"] = "vllm"

@@ -159,6 +159,9 @@ class AdmissionPolicy:
     # Two-stage admission (``pdmaster.staged_admission``; not the core's business): the prefill work
     # that may run beyond the decode capacity, as a fraction of it. 0: one stage.
     prefill_lookahead: float = 0.0
+    # The target bounds the expected wait plus the caller's ``lead_s`` (the request's expected time
+    # from its grant to its first token, ``pdmaster.prefill_time``): a time-to-first-token target.
+    target_includes_prefill: bool = False
 
     def __post_init__(self) -> None:
         for c in CLASS_ORDER:
@@ -926,8 +929,12 @@ class AdmissionCore:
         *,
         avoid: frozenset[str] = _NO_AVOID,
         deadline: float | None = None,
+        lead_s: float = 0.0,
     ) -> Ticket:
         """Ask for ``slots`` slots on one node. The ticket comes back granted, queued or rejected.
+
+        ``lead_s``: what the request will still wait after its grant before its first token; added
+        to its expected wait where that is checked against its class's target (0: a pure wait target).
 
         A request retried after an engine failed it is *resubmitted*: ``avoid`` names the nodes it
         is never placed on, ``deadline`` (the clock's time base) the absolute deadline it keeps from
@@ -962,7 +969,7 @@ class AdmissionCore:
             return self._resubmit(t, now + self._waits[rc] if deadline is None else deadline)
         s = self._sessions.get(session_id) if session_id is not None else None
         target = self._targets[rc]
-        if target != math.inf and (wait := self._over_target(t, s, target)) is not None:
+        if target != math.inf and (wait := self._over_target(t, s, target, lead_s)) is not None:
             return self._refuse(t, EXPECTED_WAIT, self._retry_hint(wait))
         overflow = self._queued_slots + t.slots - self._bound
         if overflow > 0:
@@ -996,8 +1003,9 @@ class AdmissionCore:
         self._end()
         return t
 
-    def _over_target(self, t: Ticket, s: _Session | None, target: float) -> float | None:
-        """The arrival's expected wait when it exceeds ``target`` and it could not run right now."""
+    def _over_target(self, t: Ticket, s: _Session | None, target: float, lead_s: float) -> float | None:
+        """The arrival's expected wait (plus ``lead_s``) when that exceeds ``target`` and it could not
+        run right now."""
         if s is None and not self._reserved:
             free, node = self._top_free()
             if node is not None and free >= t.slots:
@@ -1006,7 +1014,7 @@ class AdmissionCore:
                 return None
         wait = self.expected_wait(t.request_class, t.slots, self._now)
         if wait is not None:
-            wait += self.later_wait_s
+            wait += self.later_wait_s + lead_s
         return wait if wait is not None and wait > target else None
 
     def _retry_hint(self, wait: float) -> Reason:

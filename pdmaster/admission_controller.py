@@ -143,7 +143,7 @@ class Lease:
 
 class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
     # A plain class rather than @asynccontextmanager: no generator frame kept alive per waiter.
-    __slots__ = ("_args", "_avoid", "_controller", "_deadline", "_lease")
+    __slots__ = ("_args", "_avoid", "_controller", "_deadline", "_lead_s", "_lease")
 
     def __init__(
         self,
@@ -153,16 +153,18 @@ class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
         session_id: str | None,
         avoid: frozenset[str],
         deadline: float | None,
+        lead_s: float = 0.0,
     ) -> None:
         self._controller = controller
         self._args = (slots, request_class, session_id)
         self._avoid = avoid
         self._deadline = deadline
+        self._lead_s = lead_s
         self._lease: Lease | None = None
 
     async def __aenter__(self) -> Lease:
         self._lease = await self._controller.acquire_lease(
-            *self._args, avoid=self._avoid, deadline=self._deadline
+            *self._args, avoid=self._avoid, deadline=self._deadline, lead_s=self._lead_s
         )
         return self._lease
 
@@ -216,13 +218,14 @@ class AdmissionController:
         *,
         avoid: frozenset[str] = frozenset(),
         deadline: float | None = None,
+        lead_s: float = 0.0,
     ) -> contextlib.AbstractAsyncContextManager[Lease]:
         """``async with controller.acquire(n, cls, session) as lease:`` — the lease is released on exit.
 
-        A retry passes the nodes that failed it (``avoid``) and the first lease's ``deadline``: see
-        ``AdmissionCore.submit``.
+        A retry passes the nodes that failed it (``avoid``) and the first lease's ``deadline``, and
+        a target that counts the prefill the request's expected ``lead_s``: see ``AdmissionCore.submit``.
         """
-        return _LeaseContext(self, slots, request_class, session_id, avoid, deadline)
+        return _LeaseContext(self, slots, request_class, session_id, avoid, deadline, lead_s)
 
     async def acquire_lease(
         self,
@@ -232,10 +235,11 @@ class AdmissionController:
         *,
         avoid: frozenset[str] = frozenset(),
         deadline: float | None = None,
+        lead_s: float = 0.0,
     ) -> Lease:
         """Wait for a lease; the caller must release it (prefer ``acquire``)."""
         core = self.core
-        t = core.submit(slots, request_class, session_id, avoid=avoid, deadline=deadline)
+        t = core.submit(slots, request_class, session_id, avoid=avoid, deadline=deadline, lead_s=lead_s)
         queued = t.state is TicketState.QUEUED
         self._apply(core.last_changes, t if queued else None)
         if queued:
@@ -470,6 +474,14 @@ def add_admission_flags(parser: argparse.ArgumentParser) -> None:
         "--admission-max-wait",
     )
     g.add_argument(
+        "--admission-target-includes-prefill",
+        action="store_true",
+        help="make --admission-target-wait a time-to-first-token target: the check adds each "
+        "request's expected time from its grant to its first output (learned from recent requests "
+        "by their uncached prompt blocks, pdmaster/prefill_time.py), so a long prompt gets a "
+        "shorter wait than a short one",
+    )
+    g.add_argument(
         "--admission-queue-waves",
         type=_non_negative_float,
         default=1.0,
@@ -514,4 +526,5 @@ def policy_from_args(ns: argparse.Namespace) -> AdmissionPolicy:
         backfill_waves=ns.admission_backfill_waves,
         bypass=ns.disable_decode_capacity_limit,
         prefill_lookahead=getattr(ns, "prefill_lookahead", 0.0),
+        target_includes_prefill=getattr(ns, "admission_target_includes_prefill", False),
     )

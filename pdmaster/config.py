@@ -81,6 +81,11 @@ class MasterConfig:
             raise ConfigError(
                 "--prefill-lookahead needs the decode capacity limit (drop --disable-decode-capacity-limit)"
             )
+        if self.admission.target_includes_prefill and not self.admission.target_wait_s:
+            raise ConfigError(
+                "--admission-target-includes-prefill needs --admission-target-wait (the time-to-first-"
+                "token target it turns that into)"
+            )
         if self.breaker.backoff > self.breaker.backoff_max:
             raise ConfigError("--breaker-backoff must not exceed --breaker-backoff-max")
 

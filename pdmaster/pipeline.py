@@ -6,6 +6,8 @@ classify → admit → route → dispatch → relay.
   admission class (``classify``);
 * admit: the admission lease, held by an ``async with`` block, so a client that goes away (aiohttp
   cancels the handler), an engine error or a bug all release it; its placement is the decode node;
+  with ``--admission-target-includes-prefill`` the request's expected time from grant to first
+  output (``prefill_time``) goes with it, and what streamed requests really took is learned;
 * route: the prefill node (``routing``);
 * dispatch: the request goes to P and D with the configured PD protocol (``engine``);
 * relay: D's answer goes back to the client (``relay``).
@@ -38,10 +40,11 @@ from pdmaster.engine.health import EngineBreakers, counts_as_failure
 from pdmaster.fanout import Part, split
 from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import RequestMetrics
+from pdmaster.prefill_time import PrefillTime
 from pdmaster.registry import Node
 from pdmaster.relay import NO_LEASE, relay_body, relay_parts_body, relay_parts_stream, relay_stream
 from pdmaster.routing import Router
-from pdmaster.staged_admission import StagedAdmission
+from pdmaster.staged_admission import StagedAdmission, StagedLease
 
 __all__ = ["RequestPipeline"]
 
@@ -102,6 +105,8 @@ class RequestPipeline:
         self._dispatch: Dispatch | None = None
         # Two-stage admission: the pass first, the decode lease after the prefill (see staged_admission).
         self._staged: StagedAdmission | None = None
+        # A time-to-first-token target: each request's expected time from grant to first output.
+        self.prefill_time = PrefillTime() if admission.policy.target_includes_prefill else None
         # Ids: a random per-process prefix and a counter, unique across masters and restarts
         # without reading the system's random source per request (uuid4 does).
         self._id_prefix = uuid.uuid4().hex[:16]
@@ -144,6 +149,7 @@ class RequestPipeline:
                         session_id=ctx.session_id,
                         avoid=failed,
                         deadline=deadline,
+                        lead_s=self._lead(ctx),
                     ) as lease:
                         ctx.lease = lease
                         if self._staged is None and lease.node in failed:
@@ -209,6 +215,28 @@ class RequestPipeline:
         finally:
             self.lifecycle.leave()
             ctx.metrics.duration.observe(time.perf_counter() - ctx.arrived)
+
+    # -- the prefill's share of the time to first token --------------------------------------------
+    @staticmethod
+    def _uncached_blocks(ctx: RequestContext) -> int:
+        est = ctx.estimate
+        return 0 if est is None else est.total_blocks - est.best_blocks
+
+    def _lead(self, ctx: RequestContext) -> float:
+        pt = self.prefill_time
+        return 0.0 if pt is None or ctx.retries else pt.predict(self._uncached_blocks(ctx))
+
+    def _first_output(self, ctx: RequestContext) -> None:
+        self.admission.observe_output(ctx.session_id)
+        pt, lease = self.prefill_time, ctx.lease
+        if pt is None or lease is None or ctx.retries or not ctx.parsed.stream:
+            return  # a whole body arrives at its end, not at its first token
+        if isinstance(lease, StagedLease):  # the wait for a decode slot is the decode stage's
+            start, later = lease.gate_pass.ticket.granted_at, lease.ticket.wait_s or 0.0
+        else:
+            start, later = lease.ticket.granted_at, 0.0
+        if start is not None:
+            pt.observe(self._uncached_blocks(ctx), time.monotonic() - start - later)
 
     # -- stages ---------------------------------------------------------------------------------
     def classify(self, ctx: RequestContext) -> None:
@@ -434,7 +462,7 @@ class RequestPipeline:
         assert ctx.decode is not None
 
         def first_output() -> None:
-            self.admission.observe_output(ctx.session_id)
+            self._first_output(ctx)
 
         try:
             if ctx.parsed.stream:
@@ -452,7 +480,7 @@ class RequestPipeline:
 
     async def relay(self, ctx: RequestContext, answer: EngineResponse) -> web.StreamResponse:
         def first_output() -> None:
-            self.admission.observe_output(ctx.session_id)
+            self._first_output(ctx)
 
         assert ctx.decode is not None
         try:

@@ -190,9 +190,12 @@ class StagedAdmission(AdmissionController):
         *,
         avoid: frozenset[str] = frozenset(),
         deadline: float | None = None,
+        lead_s: float = 0.0,
     ) -> contextlib.AbstractAsyncContextManager[Lease]:
         """``async with admission.acquire(...) as gate_pass``: the first stage (see the module)."""
-        return _PassContext(self, (slots, request_class, session_id), avoid=avoid, deadline=deadline)
+        return _PassContext(
+            self, (slots, request_class, session_id), avoid=avoid, deadline=deadline, lead_s=lead_s
+        )
 
     async def acquire_pass(
         self,
@@ -202,6 +205,7 @@ class StagedAdmission(AdmissionController):
         *,
         avoid: frozenset[str] = frozenset(),
         deadline: float | None = None,
+        lead_s: float = 0.0,
     ) -> GatePass:
         """A gate pass, or AdmissionRejected; refused at once what the decode stage would refuse."""
         reason = self.core.refusal(slots)
@@ -218,7 +222,9 @@ class StagedAdmission(AdmissionController):
         assert self.gate is not None
         # The gate's one node is never one a retry avoids (those are decode nodes): a retry keeps
         # its deadline, which makes it a resubmission there too.
-        return GatePass(await self.gate.acquire_lease(slots, request_class, session_id, deadline=deadline))
+        return GatePass(
+            await self.gate.acquire_lease(slots, request_class, session_id, deadline=deadline, lead_s=lead_s)
+        )
 
     async def acquire_decode(
         self, gate_pass: Lease, slots: int, request_class: RequestClass, avoid: frozenset[str] = frozenset()

@@ -286,3 +286,36 @@ def test_a_later_stage_s_wait_counts_against_the_target() -> None:
     assert t.reason.retry_after_s == pytest.approx(6.0, rel=0.01)
     core.later_wait_s = 0.0
     assert core.submit(1, COLD).state is Q
+
+
+# ---------------------------------------------------------------------- a time-to-first-token target
+
+
+def test_the_lead_counts_against_the_target_but_never_refuses_what_runs_now() -> None:
+    def core_at_target() -> AdmissionCore:
+        clock = Clock()
+        core = make(clock, 5.0)
+        warm(core, clock, hold=10.0)
+        fill(core)  # the next slot is 5 s away (0.2 slots/s): exactly the target
+        return core
+
+    assert core_at_target().submit(1, COLD, lead_s=0.0).state is Q
+    refused = core_at_target().submit(1, COLD, lead_s=0.5)  # 5 s + its 0.5 s prefill: past it
+    assert refused.state is R and refused.reason is not None and refused.reason.code == EXPECTED_WAIT
+    assert refused.reason.retry_after_s == pytest.approx(5.5, rel=0.01)
+    clock = Clock()
+    idle = make(clock, 5.0)
+    warm(idle, clock, hold=10.0)
+    assert idle.submit(1, COLD, lead_s=60.0).state is G  # a free slot: it runs, however long its prefill
+
+
+def test_the_flag_turns_the_target_into_a_ttft_target_and_needs_one() -> None:
+    assert not policy_from_args(parser().parse_args([])).target_includes_prefill
+    ns = parser().parse_args(["--admission-target-wait", "2", "--admission-target-includes-prefill"])
+    assert policy_from_args(ns).target_includes_prefill
+    from pdcoord.config import EtcdSettings
+    from pdmaster.config import ConfigError, MasterConfig
+
+    alone = AdmissionPolicy(target_includes_prefill=True)
+    with pytest.raises(ConfigError, match="--admission-target-wait"):
+        MasterConfig("m1", EtcdSettings(["127.0.0.1:2379"]), admission=alone)

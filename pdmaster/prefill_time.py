@@ -1,0 +1,73 @@
+"""What a request still waits after admission before its first token: a learned line in its
+uncached prompt blocks (``--admission-target-includes-prefill``).
+
+Why. The admission target bounds the wait; the SLO clients hold a router to is the time to the first
+token, which is that wait plus the request's prefill (its queue at the prefill engine, the compute
+for the tokens no cache holds, the KV transfer, the first decode step). A 30 000-token prompt takes
+most of a 2 s TTFT budget on its own while a short one takes almost none, so one wait target either
+refuses short prompts that would have met the SLO or admits long ones that will not. With the
+prefill counted, each request gets the wait its own prompt leaves (Mooncake's early rejection
+predicts the TTFT the same way).
+
+How. An exponentially weighted least-squares line ``seconds = a + b * uncached_blocks`` over the
+requests served lately (the observation: their first output minus their grant, less any wait for a
+decode slot after the prefill), so that it follows the prefill engines' load as well as the prompt
+mix. It predicts 0 (the target stays a pure wait target) until it has seen ``MIN_SAMPLES``
+requests, never less than 0, and falls back to the mean when every recent prompt had the same size.
+
+Pure and clock-free: the pipeline feeds it durations it measured.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MIN_SAMPLES", "PrefillTime"]
+
+MIN_SAMPLES = 8  # requests seen before a prediction counts
+
+
+class PrefillTime:
+    """Exponentially weighted least squares of time-to-first-token after admission on uncached blocks."""
+
+    __slots__ = ("_n", "_sw", "_sx", "_sxx", "_sxy", "_sy", "weight")
+
+    def __init__(self, weight: float = 0.02) -> None:
+        if not 0 < weight <= 1:
+            raise ValueError("weight must be within (0, 1]")
+        self.weight = weight  # of the newest observation
+        self._n = 0
+        self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
+
+    @property
+    def samples(self) -> int:
+        return self._n
+
+    def observe(self, blocks: float, seconds: float) -> None:
+        """One served request: its uncached prompt blocks and the seconds from grant to first output."""
+        if not (blocks >= 0 and seconds >= 0):
+            return
+        keep = 1.0 - self.weight
+        self._sw = self._sw * keep + 1.0
+        self._sx = self._sx * keep + blocks
+        self._sy = self._sy * keep + seconds
+        self._sxx = self._sxx * keep + blocks * blocks
+        self._sxy = self._sxy * keep + blocks * seconds
+        self._n += 1
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b): seconds = a + b * blocks; None before MIN_SAMPLES observations."""
+        if self._n < MIN_SAMPLES:
+            return None
+        w = self._sw
+        mx, my = self._sx / w, self._sy / w
+        var = self._sxx / w - mx * mx
+        if var <= 1e-9 * max(1.0, mx * mx):
+            return my, 0.0  # every recent prompt the same size: the mean
+        b = max(0.0, (self._sxy / w - mx * my) / var)
+        return my - b * mx, b
+
+    def predict(self, blocks: float) -> float:
+        """Expected seconds from grant to first output for a prompt with ``blocks`` uncached blocks."""
+        ab = self.line()
+        if ab is None:
+            return 0.0
+        return max(0.0, ab[0] + ab[1] * blocks)
