@@ -1242,6 +1242,17 @@ def test_prefill_lookahead_is_passed_through_with_vllm_only(helm: str) -> None:
     assert proc.returncode != 0 and "prefillLookahead" in proc.stderr
 
 
+def test_a_ttft_target_needs_a_target_and_is_passed_through(helm: str) -> None:
+    assert "admission-target-includes-prefill" not in flags(master_container(render()))  # off
+    assert _cli_defaults("pdmaster.main")["admission-target-includes-prefill"] is False
+    values = {"master": {"admissionTargetWait": "1.8", "admissionTargetIncludesPrefill": True}}
+    f = flags(master_container(render(values)))
+    assert "admission-target-includes-prefill" in f and f["admission-target-includes-prefill"] is None
+    assert f["admission-target-wait"] == "1.8"
+    proc = _template(json.dumps({"master": {"admissionTargetIncludesPrefill": True}}))
+    assert proc.returncode != 0 and "admissionTargetIncludesPrefill needs master.admissionTargetWait" in proc.stderr
+
+
 def test_ingress_is_off_by_default_and_sticky_by_session_when_on(helm: str) -> None:
     assert find(render(), "Ingress") == []
     docs = render({"ingress": {"enabled": True, "className": "nginx", "annotations": {"a": "b"}}})
