@@ -1250,7 +1250,8 @@ def test_a_ttft_target_needs_a_target_and_is_passed_through(helm: str) -> None:
     assert "admission-target-includes-prefill" in f and f["admission-target-includes-prefill"] is None
     assert f["admission-target-wait"] == "1.8"
     proc = _template(json.dumps({"master": {"admissionTargetIncludesPrefill": True}}))
-    assert proc.returncode != 0 and "admissionTargetIncludesPrefill needs master.admissionTargetWait" in proc.stderr
+    assert proc.returncode != 0
+    assert "admissionTargetIncludesPrefill needs master.admissionTargetWait" in proc.stderr
 
 
 def test_ingress_is_off_by_default_and_sticky_by_session_when_on(helm: str) -> None:
