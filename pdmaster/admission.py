@@ -116,6 +116,8 @@ OUTCOMES: tuple[str, ...] = (
     EXPECTED_WAIT,
 )
 
+# The shortest wait a time-to-first-token target leaves a queued request whose prefill takes it all.
+MIN_TARGET_WAIT_S = 0.05
 # Releases seen before the completion rate is trusted to refuse anyone (see AdmissionPolicy.target_wait_s).
 RATE_MIN_RELEASES = 8
 
@@ -934,7 +936,8 @@ class AdmissionCore:
         """Ask for ``slots`` slots on one node. The ticket comes back granted, queued or rejected.
 
         ``lead_s``: what the request will still wait after its grant before its first token; added
-        to its expected wait where that is checked against its class's target (0: a pure wait target).
+        to its expected wait where that is checked against its class's target (0: a pure wait target),
+        and taken off the wait it may queue for (at least ``MIN_TARGET_WAIT_S``).
 
         A request retried after an engine failed it is *resubmitted*: ``avoid`` names the nodes it
         is never placed on, ``deadline`` (the clock's time base) the absolute deadline it keeps from
@@ -998,7 +1001,7 @@ class AdmissionCore:
                     overflow -= v.slots
                     self._finish(v, _EVICTED, EVICTED)
             s = self._sessions.get(session_id) if session_id is not None else None
-        self._enqueue(t, s, now)
+        self._enqueue(t, s, now, lead_s)
         self._pump()
         self._end()
         return t
@@ -1218,10 +1221,15 @@ class AdmissionCore:
     def _free_for(self, t: Ticket) -> tuple[int, str | None]:
         return self._top_free_avoiding(t.avoid) if t.avoid else self._top_free()
 
-    def _enqueue(self, t: Ticket, s: _Session | None, now: float) -> None:
+    def _enqueue(self, t: Ticket, s: _Session | None, now: float, lead_s: float = 0.0) -> None:
         c = t.request_class
         q = self._queues[c]
-        t.deadline = now + self._waits[c]
+        wait = self._waits[c]
+        if lead_s > 0.0 and self._targets[c] != math.inf:
+            # A time-to-first-token target: once the wait has used what the prefill leaves of it,
+            # the request would miss it when served, and its slot is better spent on another.
+            wait = min(wait, max(MIN_TARGET_WAIT_S, self._targets[c] - lead_s))
+        t.deadline = now + wait
         self._queued_n += 1
         self._queued_slots += t.slots
         q.add(t)

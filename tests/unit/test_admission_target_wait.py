@@ -319,3 +319,21 @@ def test_the_flag_turns_the_target_into_a_ttft_target_and_needs_one() -> None:
     alone = AdmissionPolicy(target_includes_prefill=True)
     with pytest.raises(ConfigError, match="--admission-target-wait"):
         MasterConfig("m1", EtcdSettings(["127.0.0.1:2379"]), admission=alone)
+
+
+def test_a_queued_request_waits_only_what_its_prefill_leaves_of_the_target() -> None:
+    clock = Clock()
+    core = make(clock, 5.0)
+    warm(core, clock, hold=1.0)
+    fill(core)  # 2 slots/s: the next slot 0.5 s away
+    long_prompt = core.submit(1, COLD, lead_s=4.0)  # 0.5 + 4 s: within the target
+    short_prompt = core.submit(1, COLD, lead_s=0.1)
+    assert long_prompt.state is Q and short_prompt.state is Q
+    assert long_prompt.deadline == pytest.approx(clock.now + 1.0)  # 5 s - its 4 s prefill
+    assert short_prompt.deadline == pytest.approx(clock.now + 4.9)
+    plain = core.submit(1, COLD)  # no lead: the target caps the class's wait, as before
+    assert plain.deadline == pytest.approx(clock.now + 5.0)
+    clock.now += 1.5
+    core.expire()
+    assert long_prompt.state is not Q and long_prompt.reason is not None
+    assert short_prompt.state is Q
