@@ -184,15 +184,19 @@ class Sampler(threading.Thread):
                     "held": held,
                     "queue": max(0.0, held - e.capacity),
                 }
-            leased = 0.0
+            leased = queued = 0.0
             for master in self.masters:
                 try:
                     with urllib.request.urlopen(master.url + "/admission", timeout=2.0) as r:
                         adm = json.loads(r.read())
                     leased += float(adm.get("active", 0))
+                    # with two-stage admission the gate's queue and the passes not yet leased wait too
+                    gate = adm.get("gate") or {}
+                    queued += float(adm.get("queued_requests", 0)) + float(gate.get("queued_requests", 0))
                 except (OSError, ValueError):
                     continue
             row["leased"] = leased
+            row["queued"] = queued
             self.samples.append(row)
 
     def stop(self) -> list[dict[str, Any]]:
@@ -477,6 +481,7 @@ def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
     sum_running_max = 0.0
     idle_shares: list[float] = []
     busy: list[float] = []  # Σ running / decode capacity, per sample
+    idle_waiting: list[float] = []  # the capacity idle while requests wait in admission queues
     capacity = sum(DECODES.values())
     for s in run["samples"]:
         eng = s["engines"]
@@ -484,6 +489,7 @@ def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
         running = sum(eng[n]["running"] for n in eng if n in dec)
         sum_running_max = max(sum_running_max, running)
         busy.append(min(1.0, running / capacity))
+        idle_waiting.append(max(0.0, 1.0 - running / capacity) if s.get("queued", 0) > 0 else 0.0)
         if s.get("leased", 0) > 0:
             idle_shares.append(max(0.0, 1.0 - running / s["leased"]))
     return {
@@ -503,6 +509,9 @@ def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
         "decode_capacity": sum(DECODES.values()),
         "decode_idle_share_of_leases": round(statistics.mean(idle_shares), 3) if idle_shares else None,
         "decode_busy_share": round(statistics.mean(busy), 3) if busy else None,
+        # of the capacity: idle while some request waited for admission (the rest idled for want of
+        # requests: the trace's lulls after the clumps it refused)
+        "decode_idle_while_queued_share": round(statistics.mean(idle_waiting), 3) if idle_waiting else None,
         "wall_s": run["wall_s"],
         "records_file": str(Path(run["log_dir"]) / "records.jsonl"),
     }
