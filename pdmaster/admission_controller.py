@@ -39,6 +39,7 @@ from pdmaster.admission import (
 )
 from pdmaster.classify import SessionTracker, classify_request
 from pdmaster.metrics import AdmissionMetrics
+from pdmaster.prefill_time import PrefillTime
 
 __all__ = [
     "AdmissionController",
@@ -187,6 +188,9 @@ class AdmissionController:
     ) -> None:
         self.core = AdmissionCore(policy or AdmissionPolicy(), clock=clock)
         self.policy = self.core.policy
+        # A time-to-first-token target: what requests took from grant to first output, by their
+        # uncached prompt blocks (fed by the request pipeline, read by it for each arrival's lead).
+        self.prefill_time = PrefillTime() if self.policy.target_includes_prefill else None
         self.master_id = master_id
         self.sessions = SessionTracker(clock=clock)
         self._clock = clock
@@ -294,6 +298,14 @@ class AdmissionController:
         snap = self.core.snapshot()
         snap["master_id"] = self.master_id
         snap["waiters"] = len(self._waiters)
+        pt = self.prefill_time
+        if pt is not None:
+            line = pt.line()
+            snap["prefill_time"] = {
+                "samples": pt.samples,
+                "base_s": None if line is None else round(line[0], 4),
+                "s_per_uncached_block": None if line is None else round(line[1], 6),
+            }
         return snap
 
     def active_on(self, node: str) -> int:

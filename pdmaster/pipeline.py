@@ -106,7 +106,7 @@ class RequestPipeline:
         # Two-stage admission: the pass first, the decode lease after the prefill (see staged_admission).
         self._staged: StagedAdmission | None = None
         # A time-to-first-token target: each request's expected time from grant to first output.
-        self.prefill_time = PrefillTime() if admission.policy.target_includes_prefill else None
+        self.prefill_time: PrefillTime | None = admission.prefill_time
         # Ids: a random per-process prefix and a counter, unique across masters and restarts
         # without reading the system's random source per request (uuid4 does).
         self._id_prefix = uuid.uuid4().hex[:16]

@@ -176,6 +176,7 @@ class StagedAdmission(AdmissionController):
         self.prefill_mean_s: float | None = None  # running mean of pass-to-decode-request times
         super().__init__(decode_policy, clock=clock, metrics=decode_metrics, master_id=master_id)
         self.gate = _Gate(self, policy, clock=clock, metrics=gate_metrics, master_id=master_id)
+        self.gate.prefill_time = None  # the pipeline feeds and reads this stage's (self.prefill_time)
         self.sessions = self.gate.sessions
         self._gate_share = 0
         self._publish()
