@@ -46,6 +46,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -112,9 +113,11 @@ def contender_spec(name: str) -> dict[str, Any]:
         # over-admission: what is preallocated or in transfer holds no batch slot in the engine)
         over = [p for p in parts if p.startswith("over") and p[4:].isdigit()]
         spec["over"] = int(over[0][4:]) / 100 if over else 0.0
-        # -ttftNN: --admission-target-wait NN/10 s --admission-target-includes-prefill (default 1.8 s)
-        ttft = [p for p in parts if p.startswith("ttft") and (p[4:].isdigit() or not p[4:])]
-        spec["ttft"] = (int(ttft[0][4:]) / 10 if ttft[0][4:] else 1.8) if ttft else 0.0
+        # -ttftNN[cMM]: --admission-target-wait NN/10 s (continuations MM/10 s)
+        # --admission-target-includes-prefill (default 1.8 s for every class)
+        ttft = [m for p in parts if (m := re.fullmatch(r"ttft(\d*)(?:c(\d+))?", p))]
+        spec["ttft"] = (int(ttft[0][1]) / 10 if ttft[0][1] else 1.8) if ttft else 0.0
+        spec["ttft_cont"] = int(ttft[0][2]) / 10 if ttft and ttft[0][2] else spec["ttft"]
     else:
         raise SystemExit(f"--contenders: unknown contender {name!r}")
     return spec
@@ -318,7 +321,8 @@ def run_one(
                 if spec["w111"]:
                     extra["admission_weights"] = "1:1:1"
                 if spec["ttft"]:
-                    extra["admission_target_wait"] = f"{spec['ttft'] * k:g}"
+                    t_all, t_cont = spec["ttft"] * k, spec["ttft_cont"] * k
+                    extra["admission_target_wait"] = f"{t_cont:g}:{t_all:g}:{t_all:g}"
                     extra["admission_target_includes_prefill"] = True
                 elif spec["target"] and args.target_wait:
                     extra["admission_target_wait"] = f"{args.target_wait * k:g}"
