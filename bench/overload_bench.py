@@ -118,6 +118,8 @@ def contender_spec(name: str) -> dict[str, Any]:
         ttft = [m for p in parts if (m := re.fullmatch(r"ttft(\d*)(?:c(\d+))?", p))]
         spec["ttft"] = (int(ttft[0][1]) / 10 if ttft[0][1] else 1.8) if ttft else 0.0
         spec["ttft_cont"] = int(ttft[0][2]) / 10 if ttft and ttft[0][2] else spec["ttft"]
+        # -quickshares: decode agents re-split by demand every 0.25 s, by up to the whole node at once
+        spec["quickshares"] = "quickshares" in parts
     else:
         raise SystemExit(f"--contenders: unknown contender {name!r}")
     return spec
@@ -307,7 +309,12 @@ def run_one(
                                   bootstrap_port=engines[name].bootstrap_port)  # fmt: skip
                     capacities[name] = advertised
                 elif spec["kind"] == "pdcoord":
-                    engines[name] = c.start_node(name, role, cap, fast=False, engine_args=ea)
+                    quick = (
+                        {"rebalance_interval": 0.25, "rebalance_max_step": 1.0, "rebalance_hysteresis": 1}
+                        if spec["quickshares"] and role == "decode"
+                        else {}
+                    )
+                    engines[name] = c.start_node(name, role, cap, fast=False, engine_args=ea, **quick)
                 else:
                     engines[name] = c.start_engine(name, role, cap, fast=False, **ea)
             urls: list[str] = []
