@@ -506,9 +506,9 @@ def add_admission_flags(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         metavar="FRACTION",
         help="two-stage admission (--engine-protocol vllm only; default 0: off): a request takes its "
-        "decode lease after its prefill, and prefill work up to this fraction of the decode capacity "
-        "may run beyond it, so no decode slot idles while its request prefills "
-        "(pdmaster/staged_admission.py)",
+        "decode lease after its prefill, and prefill work beyond the decode capacity (the completion "
+        "rate times the mean prefill time, at most this fraction of the capacity) runs ahead, so no "
+        "decode slot idles while its request prefills (pdmaster/staged_admission.py)",
     )
     g.add_argument(
         "--admission-backfill-waves",
