@@ -9,25 +9,14 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from pdcoord.dev.cluster import LocalCluster
-from pdcoord.dev.launcher import ProcessGroup
 from pdcoord.dev.netutil import free_port
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture
-def cluster(etcd: Any, tmp_path: Any) -> Iterator[LocalCluster]:
-    group = ProcessGroup(tmp_path / "logs")
-    try:
-        yield LocalCluster(group, etcd.endpoint, f"discovery-{time.monotonic_ns()}")
-    finally:
-        group.close()
 
 
 def _node(c: LocalCluster, master: str, node: str) -> dict[str, Any]:

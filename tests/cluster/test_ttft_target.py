@@ -6,25 +6,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Iterator
-from typing import Any
 
 import openai
 import pytest
 
 from pdcoord.dev.cluster import LocalCluster
-from pdcoord.dev.launcher import ProcessGroup
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture
-def cluster(etcd: Any, tmp_path: Any) -> Iterator[LocalCluster]:
-    group = ProcessGroup(tmp_path / "logs")
-    try:
-        yield LocalCluster(group, etcd.endpoint, f"ttft-{time.monotonic_ns()}")
-    finally:
-        group.close()
 
 
 def _stream(client: openai.OpenAI, words: int, tokens: int) -> tuple[str, float | None]:
