@@ -288,7 +288,11 @@ def test_two_stage_admission_prefills_ahead_and_keeps_the_decode_limit(fleet: Fl
         assert "gate" not in snap  # one stage: the lease is taken before the prefill
         return
     capacity = snap["capacity"]
-    assert snap["prefill_lookahead"] == 0.5 and snap["gate"]["capacity"] == capacity + math.ceil(capacity / 2)
+    # The lookahead adapts to the measured prefills (earlier tests on this fleet fed it), within
+    # [1, ceil(0.5 x capacity)]; the flag is its ceiling.
+    assert snap["prefill_lookahead"] == 0.5
+    assert capacity + 1 <= snap["gate"]["capacity"] <= capacity + math.ceil(capacity / 2), snap
+    assert 1 <= snap["lookahead_slots"] <= math.ceil(capacity / 2), snap
     over_before = fleet.decode_metric("pdsim_over_capacity_total")
     ahead: list[int] = []
     done = threading.Event()
