@@ -530,6 +530,7 @@ class NodeAgent:
             ack.draining,
             kept=ack.kept_slots if ack.HasField("kept_slots") else None,
             answers_sent_at=answers,
+            floor=ack.floor_slots if ack.HasField("floor_slots") else None,
         )
 
     def _poll_connected(self) -> list[MasterLink]:

@@ -90,6 +90,9 @@ class Holder:
     acked_at: float = -math.inf  # when the last Ack came in
     prev_acked_at: float = math.inf  # when the Ack before it came in
     answers_sent_at: float = -math.inf  # when the Report the last Ack answers was sent
+    # Ack.floor_slots of the last Ack: what it asks to keep here whatever its demand. None: absent
+    # (an earlier release), the agent's --share-floor applies.
+    floor: int | None = None
 
     @property
     def hold(self) -> int:
@@ -224,9 +227,11 @@ class Handover:
         kept: int | None = None,
         now: float | None = None,
         answers_sent_at: float = -math.inf,
+        floor: int | None = None,
     ) -> None:
         """``kept``: the Ack's kept_slots (None when absent); ``now``: when it came in;
-        ``answers_sent_at``: when the Report it answers was sent (-inf: not known)."""
+        ``answers_sent_at``: when the Report it answers was sent (-inf: not known); ``floor``: its
+        floor_slots (None when absent)."""
         h = self.holders.get(master_id)
         if h is None:
             o = self.orphans.get(master_id)
@@ -248,6 +253,7 @@ class Handover:
         h.applied_epoch = max(h.applied_epoch, applied_epoch)
         h.active, h.wanted, h.acked = active, wanted, True
         h.kept = None if kept is None else min(kept, active)
+        h.floor = floor
         if now is not None:
             h.prev_acked_at, h.acked_at = h.acked_at, now
         h.answers_sent_at = answers_sent_at

@@ -56,16 +56,21 @@ def share_table(masters: Iterable[str], capacities: Mapping[str, int]) -> dict[s
 
 
 def demand_shares(
-    capacity: int, demands: Mapping[str, int], node_id: str, floor: int = 1, top_up: bool = False
+    capacity: int,
+    demands: Mapping[str, int],
+    node_id: str,
+    floor: int | Mapping[str, int] = 1,
+    top_up: bool = False,
 ) -> dict[str, int]:
     """Split ``capacity`` by demand: a floor for every master, then max-min fair by demand.
 
-    Every master first gets ``min(floor, capacity // M)``. The rest is water-filled over what each
-    wants beyond its floor (nobody gets more than it asks while another still waits), and slots that
-    nobody asks for are spread evenly with :func:`slice_shares`, so the node stays work-conserving:
-    an idle burst finds headroom on every master. With ``top_up`` those slots first raise every
-    master towards its even share (largest shortfall first), which makes the split exactly the even
-    one when only some masters ask for their even share (a join window on an idle node).
+    Every master first gets ``min(floor, capacity // M)`` (``floor`` may be given per master). The
+    rest is water-filled over what each wants beyond its floor (nobody gets more than it asks while
+    another still waits), and slots that nobody asks for are spread evenly with :func:`slice_shares`,
+    so the node stays work-conserving: an idle burst finds headroom on every master. With ``top_up``
+    those slots first raise every master towards its even share (largest shortfall first), which
+    makes the split exactly the even one when only some masters ask for their even share (a join
+    window on an idle node).
     Deterministic; the shares sum to ``capacity``.
     """
     if capacity < 0:
@@ -74,10 +79,14 @@ def demand_shares(
     m = len(ordered)
     if m == 0:
         return {}
-    f = min(max(floor, 0), capacity // m)
-    shares = dict.fromkeys(ordered, f)
-    rest = capacity - f * m
-    need = {k: max(0, int(demands[k]) - f) for k in ordered}
+    most = capacity // m
+    if isinstance(floor, int):
+        floors = dict.fromkeys(ordered, min(max(floor, 0), most))
+    else:
+        floors = {k: min(max(int(floor.get(k, 0)), 0), most) for k in ordered}
+    shares = dict(floors)
+    rest = capacity - sum(floors.values())
+    need = {k: max(0, int(demands[k]) - floors[k]) for k in ordered}
     pending = sorted((k for k in ordered if need[k] > 0), key=lambda k: (need[k], k))
     while pending and rest > 0:
         level = rest // len(pending)
@@ -369,11 +378,13 @@ class Slicer:
         *,
         kept: int | None = None,
         answers_sent_at: float = -math.inf,
+        floor: int | None = None,
     ) -> bool:
         """A master's Ack: what it holds, runs and wants here. True when the grants changed.
 
         ``kept``: its kept_slots (None when the Ack has none); ``answers_sent_at``: when the Report
-        it answers was sent. With them the latest engine sample is weighed again.
+        it answers was sent. With them the latest engine sample is weighed again. ``floor``: its
+        floor_slots (None: absent, ``--share-floor`` applies).
 
         A master that drains with an empty queue leaves the split at once: it takes no new work, so
         its share can move to the others as its last leases end (reported in its next Acks).
@@ -383,7 +394,7 @@ class Slicer:
         elif not draining:
             self._draining.discard(master_id)
         h = self._ho.holders.get(master_id)
-        before = h.demand if h is not None else None
+        before = (h.demand, h.floor) if h is not None else None
         self._ho.ack(
             master_id,
             applied_epoch,
@@ -393,8 +404,9 @@ class Slicer:
             kept=kept,
             now=now,
             answers_sent_at=answers_sent_at,
+            floor=floor,
         )
-        if h is not None and h.demand != before:
+        if h is not None and (h.demand, h.floor) != before:
             self._rebalance_due = True
         if self._ho.orphans:  # the latest sample, weighed with this Ack
             self._ho.reconsider(self._reachable())
@@ -537,7 +549,16 @@ class Slicer:
             even = slice_shares(self.capacity, members, self.node_id)
             for m in new:
                 demands[m] = max(demands[m], even[m])
-        return demand_shares(self.capacity, demands, self.node_id, self.policy.floor, top_up=bool(new))
+        return demand_shares(self.capacity, demands, self.node_id, self._floors(members), top_up=bool(new))
+
+    def _floors(self, members: tuple[str, ...]) -> dict[str, int]:
+        """Each member's floor: what its Acks ask to keep here (floor_slots), else ``--share-floor``."""
+        hs = self._ho.holders
+        out = {}
+        for m in members:
+            asked = hs[m].floor if m in hs else None
+            out[m] = self.policy.floor if asked is None else asked
+        return out
 
     def _compute_targets(self, members: tuple[str, ...], now: float, reset: bool) -> dict[str, int]:
         if self.policy.policy == "static":
@@ -551,8 +572,10 @@ class Slicer:
         self._next_rebalance = now + self.policy.rebalance_interval
         ideal = self._ideal(members, now)
         self._rebalance_due = False
+        starved = any(self._targets.get(m, 0) == 0 < ideal[m] for m in members)
         if (
-            max((abs(ideal[m] - self._targets.get(m, 0)) for m in members), default=0)
+            not starved  # a master with nothing here that should have something moves at once
+            and max((abs(ideal[m] - self._targets.get(m, 0)) for m in members), default=0)
             < self.policy.rebalance_hysteresis
         ):
             return self._targets

@@ -46,6 +46,8 @@ SlotsProvider = Callable[[str], tuple[int, int]]
 EngineListener = Callable[[str, bool], None]
 # node_id: its stream ended (after a Leaving, the registry marks the node gone first).
 ClosedListener = Callable[[str], None]
+# node_id: the floor this master asks the agent to keep for it there (Ack.floor_slots).
+FloorProvider = Callable[[str], int]
 # For an Ack on a node: the slots of this master's leases the engine held at the stream's previous
 # Ack (their decode request had gone out) and still holds, with their end in sight; and the mark for
 # the next Ack (AdmissionCore.kept_since).
@@ -88,8 +90,10 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         on_engine: EngineListener | None = None,
         kept: KeptProvider | None = None,
         on_closed: ClosedListener | None = None,
+        floor: FloorProvider | None = None,
     ) -> None:
         self.on_engine = on_engine
+        self.floor = floor  # None: Acks without floor_slots (the agent's --share-floor applies)
         self.on_closed = on_closed
         self.kept = kept  # None: Acks without kept_slots (as masters of earlier releases)
         self.master_id = master_id
@@ -125,6 +129,9 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         )
         if self.kept is not None:
             ack.kept_slots, mark = self.kept(node_id, mark)
+        if self.floor is not None and st.decode:
+            # nothing to keep while admission holds nothing (lease lost) or takes nothing (draining)
+            ack.floor_slots = 0 if (lost or draining) else self.floor(node_id)
         return pb.MasterMessage(ack=ack), mark
 
     # -- etcd lease lost ------------------------------------------------------------------------

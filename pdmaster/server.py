@@ -11,7 +11,7 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -32,6 +32,7 @@ from pdcoord.keys import Keys
 from pdcoord.registration import AlreadyRegistered, Registration
 from pdcoord.retry import Outage, register_with_retry
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
+from pdmaster.anchor import Anchor
 from pdmaster.api import ControlRoutes, OpenAIRoutes, api_key_middleware, harden_aiohttp, load_api_keys
 from pdmaster.config import MasterConfig
 from pdmaster.coordination import CoordinationService
@@ -222,12 +223,14 @@ class MasterServer:
         self.pause_watch = PauseWatch(on_pause=lambda _gap: self.metrics.pauses.inc())
         self.admission.watch_pauses(self.pause_watch.resumed_at, cfg.detect_s)
         self.registry.subscribe_changes(self._on_shares)
+        self.anchor = Anchor(self.master_id)
         self.coordination = CoordinationService(
             self.master_id,
             self.registry,
             self.metrics,
             self.lifecycle,
             slots=self._slots,
+            floor=self._floor,
             max_reports_per_s=cfg.max_reports_per_s,
             on_engine=self._on_agent_engine,
             kept=lambda node, mark: self.admission.core.kept_since(node, mark),
@@ -384,6 +387,7 @@ class MasterServer:
         router.prefill_in_flight.pop(node_id, None)
         router.index.remove_node(node_id)
         self.breakers.breakers.pop(node_id, None)
+        self.anchor.forget(node_id)
         self.admission.forget_node(node_id)  # it holds no share there already (its stream is down)
         self.metrics.forget_node(node_id)
         log.info(
@@ -460,6 +464,22 @@ class MasterServer:
             nodes = max(1, len(self.registry.live(DECODE)))
             wanted = -(-wanted // nodes)
         return self.admission.active_on(node_id), wanted
+
+    def _floor(self, node_id: str) -> int:
+        """Ack.floor_slots on a decode node: 1 on this master's anchor, 0 elsewhere (pdmaster/anchor.py)."""
+        return self.anchor.floor_on(node_id, self._anchor_candidates(), time.monotonic())
+
+    def _anchor_candidates(self) -> Iterator[str]:
+        """Decode nodes that can take work from this master, whatever its share there now."""
+        for n in self.registry.nodes.values():
+            if (
+                n.role == DECODE
+                and n.connected
+                and not (n.engine_down or n.leaving or n.key_gone or n.legacy)
+                and n.breaker_state != "open"
+                and n.running_max_req_size > 0
+            ):
+                yield n.node_id
 
     def admission_snapshot(self) -> dict[str, Any]:
         return self.admission.snapshot()

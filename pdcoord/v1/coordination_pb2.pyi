@@ -98,7 +98,7 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., report: _Optional[_Union[Report, _Mapping]] = ..., leaving: _Optional[_Union[Leaving, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("master_id", "applied_epoch", "active_slots", "wanted_slots", "seq", "draining", "kept_slots")
+    __slots__ = ("master_id", "applied_epoch", "active_slots", "wanted_slots", "seq", "draining", "kept_slots", "floor_slots")
     MASTER_ID_FIELD_NUMBER: _ClassVar[int]
     APPLIED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class Ack(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     KEPT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FLOOR_SLOTS_FIELD_NUMBER: _ClassVar[int]
     master_id: str
     applied_epoch: int
     active_slots: int
@@ -113,7 +114,8 @@ class Ack(_message.Message):
     seq: int
     draining: bool
     kept_slots: int
-    def __init__(self, master_id: _Optional[str] = ..., applied_epoch: _Optional[int] = ..., active_slots: _Optional[int] = ..., wanted_slots: _Optional[int] = ..., seq: _Optional[int] = ..., draining: _Optional[bool] = ..., kept_slots: _Optional[int] = ...) -> None: ...
+    floor_slots: int
+    def __init__(self, master_id: _Optional[str] = ..., applied_epoch: _Optional[int] = ..., active_slots: _Optional[int] = ..., wanted_slots: _Optional[int] = ..., seq: _Optional[int] = ..., draining: _Optional[bool] = ..., kept_slots: _Optional[int] = ..., floor_slots: _Optional[int] = ...) -> None: ...
 
 class MasterMessage(_message.Message):
     __slots__ = ("ack",)

