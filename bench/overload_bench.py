@@ -600,8 +600,11 @@ def plot(results: dict[str, Any], stem: str = "overload") -> list[str]:
     ):
         fig, ax = plt.subplots(figsize=(8, 5))
         for c in contenders:
-            pts = sorted((r["load"], value_of(r, metric)) for r in sweep if r["contender"] == c)
-            pts = [(x, y) for x, y in pts if y is not None]
+            pts = []
+            for (cc, x), rows in sorted(points(sweep).items()):
+                ys = [y for r in rows if cc == c and (y := value_of(r, metric)) is not None]
+                if ys:
+                    pts.append((x, statistics.median(ys)))
             if pts:
                 style = "-o" if c.startswith("pdcoord") else "--s"
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=c)
@@ -648,6 +651,20 @@ def value_of(row: dict[str, Any], metric: str) -> float | None:
     return float(v) if v is not None else None
 
 
+def points(sweep: list[dict[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:
+    """The runs of each (contender, load): one, or ``--repeats`` of them."""
+    out: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for r in sweep:
+        out.setdefault((r["contender"], r["load"]), []).append(r)
+    return out
+
+
+def median_run(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median goodput (the lower of the middle two for an even count)."""
+    ranked = sorted(rows, key=lambda r: r["goodput_rps"])
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def _order(c: str) -> tuple[int, str]:
     return (0 if c.startswith("sgl") else 1, c)
 
@@ -656,10 +673,12 @@ def table(results: dict[str, Any]) -> str:
     """The README's tables: goodput per contender and load; what happened at 1.5x and 2x; the burst."""
     sweep = results["sweep"]
     loads = sorted({r["load"] for r in sweep})
-    by = {(r["contender"], r["load"]): r for r in sweep}
+    runs = points(sweep)
+    by = {key: median_run(rows) for key, rows in runs.items()}
     contenders = sorted({r["contender"] for r in sweep}, key=_order)
     out = [
-        "Goodput, requests per second within the SLO (engine time): whole window / its second half",
+        "Goodput, requests per second within the SLO (engine time): whole window / its second half; "
+        "with repeated runs the medians, and the whole window's range over n runs",
         "",
         "| contender | " + " | ".join(f"{x:g} x λ*" for x in loads) + " |",
         "|---|" + "---|" * len(loads),
@@ -667,12 +686,20 @@ def table(results: dict[str, Any]) -> str:
     for c in contenders:
         cells = []
         for x in loads:
-            r = by.get((c, x))
-            cells.append(
-                "" if r is None else f"{r['goodput_rps']:.2f} / {r.get('goodput_second_half_rps', 0.0):.2f}"
-            )
+            rows = runs.get((c, x), [])
+            if not rows:
+                cells.append("")
+                continue
+            g = [r["goodput_rps"] for r in rows]
+            half = statistics.median(r.get("goodput_second_half_rps", 0.0) for r in rows)
+            cell = f"{statistics.median(g):.2f} / {half:.2f}"
+            if len(rows) > 1:
+                cell += f" ({min(g):.2f} to {max(g):.2f}, n={len(rows)})"
+            cells.append(cell)
         out.append(f"| {c} | " + " | ".join(cells) + " |")
     out += [
+        "",
+        "At 1.5x and 2x (a repeated point: its run of median goodput):",
         "",
         "| contender | load | attainment | TTFT p50 / p99, first turns | TTFT p99, continuations (n) "
         "| sessions all within SLO | not served | engine queue peak / requests queued | retractions "
@@ -811,6 +838,12 @@ def main() -> None:
         help="replay --trace, or the load generator's synthetic multi-turn sessions",
     )
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of every sweep point (the tables and plots show the medians and the range)",
+    )
     p.add_argument("--out", default="overload.json")
     p.add_argument(
         "--merge",
@@ -823,6 +856,8 @@ def main() -> None:
         help="recompute --out's client-side figures from the runs' kept records, redraw, rewrite",
     )
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     k = args.time_scale
     if args.reanalyse:
         results = reanalyse(RESULTS / args.out)
@@ -873,7 +908,8 @@ def main() -> None:
     sweep: list[dict[str, Any]] = []
     plan = [(s, x) for x in [float(v) for v in args.loads.split(",") if v] for s in specs]
     plan += [(s, x) for x in [float(v) for v in args.extra_loads.split(",") if v] for s in extra]
-    for spec, x in plan:
+    # repeats interleave (every point once, then again) so that a drift of the machine spreads evenly
+    for rep, (spec, x) in [(i, pt) for i in range(args.repeats) for pt in plan]:
         t0 = time.monotonic()
         try:
             run = run_one(spec, args, rate=lam * x, schedule=None, duration_e=args.duration,
@@ -885,6 +921,7 @@ def main() -> None:
         row = {
             "contender": spec["name"],
             "load": x,
+            "repeat": rep,
             "rate_rps": round(lam * x, 3),
             **analyse(run, k, args.duration),
         }
@@ -948,6 +985,7 @@ def main() -> None:
             "slo_ttft_s": SLO_TTFT_S,
             "slo_tpot_s": SLO_TPOT_S,
             "duration_engine_s": args.duration,
+            "repeats": args.repeats,
             "client_timeout_engine_s": args.client_timeout,
             "target_wait_engine_s": args.target_wait,
             "burst": BURST,
