@@ -560,6 +560,29 @@ class Slicer:
             out[m] = self.policy.floor if asked is None else asked
         return out
 
+    def _must_move(self, members: tuple[str, ...], ideal: Mapping[str, int]) -> bool:
+        """Whether the split moves now however small the move (the hysteresis only keeps a wobble of
+        demand from moving slots back and forth): a master with nothing here should have something,
+        or slots that a master holds but does not use (nothing of it queued, fewer leases running
+        than its target) should go to a master whose requests wait for them. On small engines the
+        hysteresis is a large part of a node, and such slots would stay idle until the demand moved
+        further."""
+        t = self._targets
+        if any(t.get(m, 0) == 0 < ideal[m] for m in members):
+            return True
+        hs = self._ho.holders
+        waiting = idle = False
+        for m in members:
+            h = hs.get(m)
+            if h is None:
+                continue
+            have = t.get(m, 0)
+            if h.wanted > 0 and ideal[m] > have:
+                waiting = True
+            elif h.wanted == 0 and h.active < have and ideal[m] < have:
+                idle = True
+        return waiting and idle
+
     def _compute_targets(self, members: tuple[str, ...], now: float, reset: bool) -> dict[str, int]:
         if self.policy.policy == "static":
             return slice_shares(self.capacity, members, self.node_id)
@@ -572,9 +595,8 @@ class Slicer:
         self._next_rebalance = now + self.policy.rebalance_interval
         ideal = self._ideal(members, now)
         self._rebalance_due = False
-        starved = any(self._targets.get(m, 0) == 0 < ideal[m] for m in members)
         if (
-            not starved  # a master with nothing here that should have something moves at once
+            not self._must_move(members, ideal)
             and max((abs(ideal[m] - self._targets.get(m, 0)) for m in members), default=0)
             < self.policy.rebalance_hysteresis
         ):

@@ -655,3 +655,28 @@ def test_a_master_with_nothing_here_that_should_have_something_is_not_held_by_th
     s.on_ack("b", s.epoch, 1, 1, now + 1.1, 62, floor=1)
     s.tick(now + 2.2, 63)
     assert dict(s.targets) == {"a": 15, "b": 1}
+
+
+def test_slots_held_idle_move_to_a_master_whose_requests_wait_whatever_the_hysteresis() -> None:
+    """A one-slot move is below the hysteresis; but when the master giving it runs fewer leases than
+    it holds and queues nothing, while the taker's requests wait, the slot would only idle: it moves."""
+    s = started(16, ["a", "b"], policy="demand", rebalance_interval=1.0, rebalance_hysteresis=2)
+    t = s.join_prior_s
+
+    def settle(now: float, a: tuple[int, int], b: tuple[int, int]) -> float:
+        for k in range(4):
+            s.tick(now + k, 11 + k)
+            s.on_ack("b", s.epoch, *b, now + k + 0.1, 30 + k, floor=1)
+            s.on_ack("a", s.epoch, *a, now + k + 0.2, 50 + k, floor=0)
+        return now + 4
+
+    now = settle(t + 1.0, (10, 2), (6, 0))
+    assert dict(s.targets) == {"a": 10, "b": 6}
+    # b's demand drops by one, a's grows by one: a wobble of one slot, held by the hysteresis...
+    now = settle(now, (10, 1), (5, 1))
+    assert dict(s.targets) == {"a": 10, "b": 6}
+    # ...but when b runs 5 of its 6 with nothing queued and a's requests wait, the idle slot goes to a
+    s.on_ack("b", s.epoch, 5, 0, now, 70, floor=1)
+    s.on_ack("a", s.epoch, 10, 1, now, 70, floor=0)
+    s.tick(now + 1.0, 71)
+    assert dict(s.targets) == {"a": 11, "b": 5}
