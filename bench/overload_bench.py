@@ -189,19 +189,27 @@ class Sampler(threading.Thread):
                     "held": held,
                     "queue": max(0.0, held - e.capacity),
                 }
-            leased = queued = 0.0
+            leased = queued = held = 0.0
+            per_master = []
             for master in self.masters:
                 try:
                     with urllib.request.urlopen(master.url + "/admission", timeout=2.0) as r:
                         adm = json.loads(r.read())
-                    leased += float(adm.get("active", 0))
+                    active = float(adm.get("active", 0))
                     # with two-stage admission the gate's queue and the passes not yet leased wait too
                     gate = adm.get("gate") or {}
-                    queued += float(adm.get("queued_requests", 0)) + float(gate.get("queued_requests", 0))
+                    waiting = float(adm.get("queued_requests", 0)) + float(gate.get("queued_requests", 0))
+                    cap = float(adm.get("capacity", 0))
                 except (OSError, ValueError):
                     continue
+                leased += active
+                queued += waiting
+                held += cap
+                per_master.append((cap, active, waiting))
             row["leased"] = leased
             row["queued"] = queued
+            row["held"] = held
+            row["masters"] = per_master
             self.samples.append(row)
 
     def stop(self) -> list[dict[str, Any]]:
@@ -493,6 +501,8 @@ def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
     idle_shares: list[float] = []
     busy: list[float] = []  # Σ running / decode capacity, per sample
     idle_waiting: list[float] = []  # the capacity idle while requests wait in admission queues
+    unleased_waiting: list[float] = []
+    stranded: list[float] = []
     capacity = sum(DECODES.values())
     for s in run["samples"]:
         eng = s["engines"]
@@ -501,6 +511,11 @@ def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
         sum_running_max = max(sum_running_max, running)
         busy.append(min(1.0, running / capacity))
         idle_waiting.append(max(0.0, 1.0 - running / capacity) if s.get("queued", 0) > 0 else 0.0)
+        if "masters" in s and s.get("queued", 0) > 0:
+            # of that: slots no master leased, and of those the ones held by a master queueing nothing
+            # (the multi-master fragmentation) against slots of no share (between epochs)
+            unleased_waiting.append(max(0.0, s["held"] - s["leased"]) / capacity)
+            stranded.append(sum(max(0.0, c - a) for c, a, q in s["masters"] if q == 0) / capacity)
         if s.get("leased", 0) > 0:
             idle_shares.append(max(0.0, 1.0 - running / s["leased"]))
     return {
@@ -523,6 +538,14 @@ def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
         # of the capacity: idle while some request waited for admission (the rest idled for want of
         # requests: the trace's lulls after the clumps it refused)
         "decode_idle_while_queued_share": round(statistics.mean(idle_waiting), 3) if idle_waiting else None,
+        # of the capacity, on average over all samples: held by a master but not leased while some
+        # request waited, and of that held by a master whose own queue was empty
+        "decode_unleased_while_queued_share": (
+            round(sum(unleased_waiting) / len(busy), 3) if busy and "masters" in run["samples"][0] else None
+        ),
+        "decode_stranded_while_queued_share": (
+            round(sum(stranded) / len(busy), 3) if busy and "masters" in run["samples"][0] else None
+        ),
         "wall_s": run["wall_s"],
         "records_file": str(Path(run["log_dir"]) / "records.jsonl"),
     }
