@@ -157,6 +157,11 @@ class MasterLink:
     gone_check: asyncio.Task[None] | None = None  # tries the address after the stream broke
 
 
+def _retrieved(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 class NodeAgent:
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
@@ -469,6 +474,9 @@ class NodeAgent:
             finally:
                 if reader is not None:
                     reader.cancel()
+                    # its end (a cancel, or the call's error that this link's loop already reported)
+                    # is retrieved, so that no "exception was never retrieved" follows every broken stream
+                    reader.add_done_callback(_retrieved)
                 was_up = link.connected
                 link.call, link.connected = None, False
                 if was_up and self.slicer.stream_down(link.master_id, time.monotonic(), time.time_ns()):
