@@ -452,3 +452,38 @@ def test_a_drain_that_times_out_cancels_its_requests_before_the_key_goes(cluster
     c.wait_for(lambda: scrape_metrics(d1).get("pdsim_running", 1.0) == 0, timeout=10)
     # The agent took it out for good: nothing of m1 stays reserved on d1.
     c.wait_for(lambda: not c.agents["d1"].status()["handover"]["orphans"], timeout=10)
+
+
+def test_an_idle_master_keeps_one_slot_of_the_fleet_and_serves_from_it(
+    cluster: LocalCluster, load_guard: Loads
+) -> None:
+    """Under demand shares a master asks for its floor on one decode node only (its anchor): while
+    the other master's clients want every slot, the idle one holds one slot of the fleet, not one per
+    node, and still answers its next request at once from it."""
+    start_fleet(cluster, ["m1", "m2"])
+    busy = cluster_load(
+        lambda: [("m1", cluster.masters["m1"].url)], users=24, max_tokens=16, seed=5, gangs=False
+    )
+    load_guard.append(busy.start())
+
+    def shares(mid: str) -> dict[str, int]:
+        nodes = cluster.masters[mid].admission()["admission_nodes"]
+        return {n: int(v["share"]) for n, v in nodes.items() if n in DECODE}
+
+    def settled() -> bool:
+        idle = [s for s in shares("m2").values() if s]  # a node where it holds nothing is not listed
+        return idle == [1] and sum(shares("m1").values()) == sum(DECODE.values()) - 1
+
+    took = cluster.wait_for(settled, timeout=40, interval=0.2)
+    anchor = [n for n, s in shares("m2").items() if s == 1]
+    client = openai.OpenAI(base_url=cluster.masters["m2"].url + "/v1", api_key="-", max_retries=0, timeout=30)
+    answer = client.completions.create(model=MODEL, prompt="from the idle master", max_tokens=4)
+    results = busy.stop()
+    queued = decode_queued(cluster)
+    print(
+        f"\nidle master's shares {shares('m2')} (anchor {anchor}) after {took:.1f}s; "
+        f"busy: {summarize(results)}"
+    )
+    assert answer.choices[0].text
+    assert sum(r.ok for r in results) > 50, summarize(results)
+    assert all(v == 0 for v in queued.values()), f"decode engines queued requests: {queued}"
