@@ -161,7 +161,9 @@ def build_parser() -> EnvArgumentParser:
         "--share-floor",
         type=non_negative_int,
         default=1,
-        help="demand policy: slots every live master keeps whatever its demand",
+        help="demand policy: slots a live master keeps whatever its demand, for masters that do not "
+        "say (earlier releases); a master of this release asks for one slot on one decode node (its "
+        "anchor) and none elsewhere",
     )
     g.add_argument(
         "--rebalance-interval",
