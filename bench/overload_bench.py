@@ -81,6 +81,8 @@ DEFAULT_LAMBDA_STAR = 4.83  # engine-time req/s, measured by --calibrate (bench/
 BURST = ((20.0, 1.0), (60.0, 2.5), (60.0, 0.7))  # (engine seconds, x λ*)
 
 SKEW = {2: (0.7, 0.3), 4: (0.7, 0.2, 0.05, 0.05)}
+# pdcoord's TTFT target unless a contender says otherwise: (every class, continuations), engine seconds
+RECOMMENDED_TTFT_S = (1.8, 1.5)
 
 
 # ---------------------------------------------------------------------------- contenders
@@ -89,7 +91,8 @@ SKEW = {2: (0.7, 0.3), 4: (0.7, 0.2, 0.05, 0.05)}
 def contender_spec(name: str) -> dict[str, Any]:
     """``sgl``, ``sgl-tuned``, ``sgl-tuned-x2-part[-skew]``, ``pdcoord-2[-skew|-nolimit|-w111|-vllm|…]``;
     ``pdcoord-1-vllm-staged[NN]``: two-stage admission, lookahead NN % (default 25);
-    ``-ttft[NN]``: a time-to-first-token target of NN tenths of a second (default 18)."""
+    ``-ttft[NN][cMM]``: a time-to-first-token target of NN tenths of a second (default 18), MM for
+    continuations; neither: ``RECOMMENDED_TTFT_S``; ``-wait``: a pure wait target (``--target-wait``)."""
     parts = name.split("-")
     spec: dict[str, Any] = {"name": name, "skew": "skew" in parts, "routers": 1}
     if parts[0] == "sgl":
@@ -118,6 +121,10 @@ def contender_spec(name: str) -> dict[str, Any]:
         ttft = [m for p in parts if (m := re.fullmatch(r"ttft(\d*)(?:c(\d+))?", p))]
         spec["ttft"] = (int(ttft[0][1]) / 10 if ttft[0][1] else 1.8) if ttft else 0.0
         spec["ttft_cont"] = int(ttft[0][2]) / 10 if ttft and ttft[0][2] else spec["ttft"]
+        # without either: the flags we recommend for a 2 s TTFT SLO (README), as -ttft18c15;
+        # -wait: the earlier default, --admission-target-wait --target-wait (a pure wait target)
+        if not ttft and spec["target"] and "wait" not in parts:
+            spec["ttft"], spec["ttft_cont"] = RECOMMENDED_TTFT_S
         # -quickshares: decode agents re-split by demand every 0.25 s, by up to the whole node at once
         spec["quickshares"] = "quickshares" in parts
     else:
@@ -852,7 +859,7 @@ def main() -> None:
     p.add_argument("--time-scale", type=float, default=1.0, help="engines run this many times slower")
     p.add_argument("--client-timeout", type=float, default=20.0, help="engine seconds a client waits")
     p.add_argument("--target-wait", type=float, default=1.0,
-                   help="pdcoord --admission-target-wait, engine seconds (0: off)")  # fmt: skip
+                   help="-wait contenders: pdcoord --admission-target-wait, engine seconds")  # fmt: skip
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument(
         "--workload",
