@@ -968,10 +968,14 @@ def run_scenario(
 
 
 def _cut(
-    fleet: Fleet, pairs: Sequence[tuple[str, str, int | None]], owners: dict[str, list[str]] | None = None
+    fleet: Fleet,
+    pairs: Sequence[tuple[str, str, int | None]],
+    owners: dict[str, list[str]] | None = None,
+    *,
+    reject: bool = False,
 ) -> Faulted:
     net = fleet.net
-    faults = [net.cut(net.hosts[a], net.hosts[b], port) for a, b, port in pairs]
+    faults = [net.cut(net.hosts[a], net.hosts[b], port, reject=reject) for a, b, port in pairs]
 
     def heal() -> None:
         for f in faults:
@@ -1002,6 +1006,13 @@ def one_agent_one_master_cut(fleet: Fleet) -> Faulted:
     """d2's agent cut from m2's gRPC port: m1 owns d2."""
     owners = {"p1": list(MASTERS), "d1": list(MASTERS), "d2": ["m1"]}
     return _cut(fleet, [("d2", "m2", MASTER_GRPC)], owners)
+
+
+def one_agent_one_master_reject(fleet: Fleet) -> Faulted:
+    """d2's agent refused by m2's gRPC port (TCP resets): to the agent m2 looks like a process that is
+    gone, while it lives and its requests still run on d2. m1 owns d2; its slots must wait for them."""
+    owners = {"p1": list(MASTERS), "d1": list(MASTERS), "d2": ["m1"]}
+    return _cut(fleet, [("d2", "m2", MASTER_GRPC)], owners, reject=True)
 
 
 def agent_loss(fleet: Fleet, percent: int = 5) -> Faulted:
@@ -1072,6 +1083,7 @@ SCENARIOS: dict[str, tuple[str, Callable[[Fleet], Faulted]]] = {
     "agent_etcd_cut": ("d1's agent cut from etcd (masters reach it)", agent_etcd_cut),
     "master_some_agents_cut": ("m1 cut from the agents of p1 and d1 (gRPC)", master_some_agents_cut),
     "one_agent_one_master_cut": ("d2's agent cut from m2 (gRPC)", one_agent_one_master_cut),
+    "one_agent_one_master_reject": ("d2's agent refused by m2 (gRPC resets)", one_agent_one_master_reject),
     "slow_etcd": ("etcd 300 ms ± 200 ms; m2 SIGKILLed and restarted", slow_etcd),
     "agent_loss": ("5 % loss on d1's links", agent_loss),
     "flapping_link": ("d1's link up 2 s, down 2 s", flapping_link),
