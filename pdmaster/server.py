@@ -475,8 +475,8 @@ class MasterServer:
             if (
                 n.role == DECODE
                 and n.connected
-                and not (n.engine_down or n.leaving or n.key_gone or n.legacy)
-                and n.breaker_state != "open"
+                and n.usable
+                and not (n.leaving or n.key_gone or n.legacy)
                 and n.running_max_req_size > 0
             ):
                 yield n.node_id
