@@ -8,7 +8,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdmaster.registry import NodeRegistry
+from pdmaster.registry import DECODE, NodeRegistry
 
 
 class MasterMetrics:
@@ -24,6 +24,14 @@ class MasterMetrics:
         self.capacity = Gauge(
             "pdcoord_decode_capacity_slots",
             "Sum of this master's decode shares over nodes with a live stream",
+            registry=registry,
+        )
+        # Whoever holds them: under demand shares a master's own capacity follows its traffic, so a
+        # drop in it says nothing about the fleet; this does (the capacity alert reads it).
+        self.fleet_capacity = Gauge(
+            "pdcoord_fleet_decode_capacity_slots",
+            "Decode slots of the fleet as this master sees it: running_max_req_size summed over decode "
+            "nodes with a live stream and an engine that answers, whichever master holds them",
             registry=registry,
         )
         self.node_share = Gauge(
@@ -106,6 +114,8 @@ class MasterMetrics:
         self._known: dict[str, str] = {}  # node id -> the role its series carry
         self._last: dict[str, tuple[int, int, bool, bool]] = {}
         self._failure_kinds: dict[str, set[str]] = {}  # node id -> kinds counted for it
+        self._fleet: dict[str, int] = {}  # decode node id -> its slots counted in fleet_capacity
+        self._fleet_total = 0
 
     def engine_failed(self, node_id: str, kind: str) -> None:
         self.engine_failures.labels(node=node_id, kind=kind).inc()
@@ -116,6 +126,7 @@ class MasterMetrics:
         longer shows it, so alerts on it resolve instead of firing for a node that is no more."""
         role = self._known.pop(node_id, None)
         self._last.pop(node_id, None)
+        self._count_in_fleet(node_id, 0)
         if role is not None:
             for gauge in (self.node_share, self.node_engine_up):
                 _remove(gauge, node_id, role)
@@ -135,6 +146,8 @@ class MasterMetrics:
             self._stale_seen = reg.stale_total
         if node is None:
             return  # forgotten: forget_node removed its series
+        up = node.role == DECODE and node.connected and node.usable and not node.gone
+        self._count_in_fleet(node_id, node.running_max_req_size if up else 0)
         known = self._known.get(node_id)
         if known != node.role:
             if known is not None:  # it came back under another role: its old series go
@@ -150,6 +163,17 @@ class MasterMetrics:
         self.node_epoch.labels(node=node.node_id).set(node.epoch)
         self.node_connected.labels(node=node.node_id).set(1 if node.connected else 0)
         self.node_engine_up.labels(node=node.node_id, role=node.role).set(1 if node.usable else 0)
+
+    def _count_in_fleet(self, node_id: str, slots: int) -> None:
+        old = self._fleet.get(node_id, 0)
+        if slots == old:
+            return
+        if slots:
+            self._fleet[node_id] = slots
+        else:
+            del self._fleet[node_id]
+        self._fleet_total += slots - old
+        self.fleet_capacity.set(self._fleet_total)
 
 
 def _remove(metric: Any, *labels: str) -> None:

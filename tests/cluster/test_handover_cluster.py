@@ -204,7 +204,9 @@ def test_demand_shares_follow_a_90_10_split_with_real_processes(
         f"pdsim_queued_total {queued}"
     )
     assert static_caps == {"m1": 6, "m2": 6}, static_caps
-    assert demand_caps["m1"] > static_caps["m1"] and demand_caps["m2"] >= 2, demand_caps
+    # m2's 2 users of 20 are worth 1.2 of the 12 slots, and its floor is one slot of the fleet (on its
+    # anchor node), so it may hold 1 or 2 depending on the instant read
+    assert demand_caps["m1"] > static_caps["m1"] and demand_caps["m2"] >= 1, demand_caps
     assert sum(demand_caps.values()) <= sum(DECODE.values())
     assert demand_rps > static_rps, (static_rps, demand_rps)
     assert all(v == 0 for v in queued.values()), f"decode engines queued requests: {queued}"

@@ -223,7 +223,7 @@ def test_everything_on_validates_and_crds_are_well_formed() -> None:
     names = {r["alert"] for r in rules}
     assert names >= {
         "PdcoordMasterNoDecodeCapacity",
-        "PdcoordMasterLostDecodeCapacity",
+        "PdcoordFleetLostDecodeCapacity",
         "PdcoordNodeEngineDown",
         "PdcoordAgentStreamDown",
         "PdcoordRequestsRefused",
