@@ -416,10 +416,14 @@ class Handover:
             (m for m, t in targets.items() if t > new[m]), key=lambda m: (new[m] - targets[m], m)
         )
         for m in growers:
-            if free <= 0:
+            if free < 0:
+                # The reservations overlap (an orphan's bound may count leases a live master also
+                # reports): only what ends frees anything.
                 break
             bound = self.holders[m].bound if m in self.holders else 0
-            # Slots up to its current bound are already counted as used by it.
+            # Slots up to its current bound are already counted as used by it: a master whose leases
+            # run beyond its grant (one that came back) is raised to them with nothing free, so that
+            # it may replace them as they end (every bound, orphans included, still fits).
             raised = min(targets[m], max(new[m], bound + free))
             free -= max(0, raised - max(bound, new[m]))
             new[m] = raised

@@ -680,3 +680,21 @@ def test_slots_held_idle_move_to_a_master_whose_requests_wait_whatever_the_hyste
     s.on_ack("a", s.epoch, 10, 1, now, 70, floor=0)
     s.tick(now + 1.0, 71)
     assert dict(s.targets) == {"a": 11, "b": 5}
+
+
+def test_a_returning_master_is_granted_the_leases_it_still_runs_when_nothing_is_free() -> None:
+    """b comes back with its 2 leases still running and a holds the rest: b's grant goes back to 2 at
+    once (its bound counted them already), so it may replace them as they end. It stayed 0 until they
+    ended, and then waited for the next grant (the protocol model's seed 108 with 10 s leases ended
+    its run that way)."""
+    s = started(4, ["a", "b"])
+    s.on_ack("a", s.epoch, 2, 0, 2.0, 10)
+    s.on_ack("b", s.epoch, 2, 0, 2.0, 10)
+    s.stream_down("b", 2.0, 11)
+    s.tick(3.0, 12)
+    assert s.snapshot()["orphans"] == {"b": 2} and s.share_for("a") == 2
+    s.stream_up("b", 4.0, 13)
+    assert s.share_for("b") == 0  # nothing free yet: its Ack has not said what runs
+    s.on_ack("b", s.epoch, 2, 0, 4.1, 14)
+    assert s.snapshot()["orphans"] == {}
+    assert dict(s.shares) == {"a": 2, "b": 2}

@@ -151,14 +151,15 @@ def test_strict_handover_holds_with_decode_length_leases(policy: str, hold_s: fl
 def test_known_gap_masters_of_an_earlier_release_leave_a_stale_ack_unbracketed() -> None:
     """Masters of an earlier release send no kept_slots: their acked counts stand in, as before, and
     an Ack older than one of their lease ends can still free a cut-off master's running slots
-    (``nodeagent/handover.py``, "Known gap"): 8 of seeds 60-199 overshoot. The same scenario with
-    this release's masters holds in all of them."""
+    (``nodeagent/handover.py``, "Known gap"): 3 of seeds 60-199 overshoot (8 before a master that
+    came back was granted the leases it still runs at once, which moved every run). The same scenario
+    with this release's masters holds in all of them."""
     old = dataclasses.replace(
         decode_length_config("static", 10.0), settle_s=15.0, quiet_s=5.0, kept_acks=False, drained_keys=False
     )
-    assert ProtocolSim(old, 71).run().violations
+    assert ProtocolSim(old, 108).run().violations
     new = dataclasses.replace(old, kept_acks=True, drained_keys=True)
-    assert not ProtocolSim(new, 71).run().violations
+    assert not ProtocolSim(new, 108).run().violations
 
 
 # Leases whose client falls behind until the relay pauses, and how long after the decode such a client
@@ -284,14 +285,14 @@ def test_strict_handover_holds_with_leases_in_their_prefill(protocol: str, hold_
         assert not sim.converged(), f"seed {seed}: not converged: {sim.converged()}"
 
 
-@pytest.mark.parametrize(("protocol", "seed"), [("sglang", 12), ("vllm", 9)])
+@pytest.mark.parametrize(("protocol", "seed"), [("sglang", 12), ("vllm", 43)])
 def test_known_gap_agents_of_an_earlier_release_count_only_running_requests(protocol: str, seed: int) -> None:
     """Earlier agents sampled only the engine's running requests, and masters counted a lease in
     kept_slots from its grant: a live master's lease kept across both Acks but still in its prefill,
     or waiting for its KV, counted as running at the sample, which the engine did not count, and the
     sample freed slots a cut-off master still used. Under vLLM's protocol the engine does not know
     such a lease at all, so the masters' part is needed too: with the agents' part alone (the held
-    count, START_SEEN_S) 24 to 39 of 100 still overshoot (seed 9 here), with both 1 (the next test).
+    count, START_SEEN_S) 24 to 39 of 100 still overshoot (seed 43 here), with both 1 (the next test).
     Seeds 0-99, static or demand, leases of 3 or 10 s."""
     old = prefill_config("static", 3.0, protocol, EARLIER_RELEASE)
     assert ProtocolSim(old, seed).run().violations
