@@ -82,6 +82,8 @@ class MasterEntry:
     keepalive_s: float = UNADVERTISED_KEEPALIVE_S
     detect_s: float = 0.0  # how soon it notices a cut stream; 0: not said (PEER_DETECT_S covers it)
     drained: bool = False  # it drained: nothing of it runs any more (written just before it goes)
+    # The stream of ours that it names as released: gone, and nothing of it runs on this node.
+    released_stream: int | None = None
 
 
 _ROLE = {"prefill": pb.PREFILL, "decode": pb.DECODE}
@@ -153,6 +155,7 @@ class MasterLink:
     reported_at: float = 0.0
     report_seq: int = -1
     answered_seq: int = -1  # the seq the last Ack echoed
+    stream_id: int = 0  # Register.stream_id of the current (or last) stream
     acked_at: float = 0.0  # when the last Ack came in
     gone_check: asyncio.Task[None] | None = None  # tries the address after the stream broke
 
@@ -178,6 +181,8 @@ class NodeAgent:
         self.links: dict[str, MasterLink] = {}
         self.registration: Registration | None = None
         self.incarnation = time.time_ns()
+        self._last_stream_id = 0
+        self._entries: dict[str, MasterEntry] = {}  # what the masters' keys say, as last read
         self.load = EngineLoad()
         self.engine = EngineHealth(cfg.health_failures, cfg.health_successes)
         self.seq = 0
@@ -308,8 +313,16 @@ class NodeAgent:
                 # bool is an int: refuse it too; a negative or absurd time is a broken key
                 if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= MAX_ADVERTISED_S:
                     raise ValueError(f"{k} {v!r}")
+            # An optional hint: what is not a stream id is ignored (the slots then wait for samples).
+            released = doc.get("released")
+            ours = released.get(self.cfg.node_id) if isinstance(released, dict) else None
+            if isinstance(ours, bool) or not isinstance(ours, int) or ours <= 0:
+                ours = None
             entry = MasterEntry(
-                addr, **{k: float(v) for k, v in timing.items()}, drained=doc.get("drained") is True
+                addr,
+                **{k: float(v) for k, v in timing.items()},
+                drained=doc.get("drained") is True,
+                released_stream=ours,
             )
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring master %s with unusable value %r (%s)", mid, value[:200], exc)
@@ -318,6 +331,8 @@ class NodeAgent:
 
     def _set_masters(self, current: dict[str, MasterEntry]) -> None:
         now, tns = time.monotonic(), time.time_ns()
+        self._entries = dict(current)
+        released = False
         for mid in list(self.links):
             link = self.links[mid]
             entry = current.get(mid)
@@ -326,6 +341,8 @@ class NodeAgent:
         for mid, entry in current.items():
             if entry.drained:
                 self.slicer.master_drained(mid)
+            if entry.released_stream is not None:
+                released |= self._released(mid, entry.released_stream, now, tns)
             # Before the master joins the split: its slots may have to wait for it once it leaves.
             if self.slicer.allow_peer_detect(entry.detect_s):
                 log.info(
@@ -339,8 +356,22 @@ class NodeAgent:
                 link = MasterLink(mid, entry.address, entry.keepalive_s)
                 self.links[mid] = link
                 link.task = asyncio.create_task(self._stream(link), name=f"stream-{mid}")
-        if self.slicer.set_masters(current.keys(), now, tns):
+        if self.slicer.set_masters(current.keys(), now, tns) or released:
             self._changed()
+
+    def _released(self, mid: str, stream_id: int, now: float, tns: int) -> bool:
+        """The master's key names a stream of ours as released: if that is our last stream to it
+        and it is down on our side too, its slots here are free (Slicer.master_released). True when
+        the word was taken (once per stream): the masters hear of the grants it moved."""
+        if not self.slicer.master_released(mid, stream_id, now, tns):
+            return False
+        log.info("master %s released its stream to this node: its slots here are free", mid)
+        return True
+
+    def _next_stream_id(self) -> int:
+        # Unique across this agent's streams and its restarts (time moves on in between).
+        self._last_stream_id = max(self._last_stream_id + 1, time.time_ns())
+        return self._last_stream_id
 
     def _drop_link(self, mid: str) -> None:
         link = self.links.pop(mid)
@@ -357,7 +388,7 @@ class NodeAgent:
             return None
         return pb.Grant(capacity_share=self.slicer.share_for(mid), capacity_epoch=self.slicer.epoch)
 
-    def _register_msg(self, mid: str) -> pb.AgentMessage:
+    def _register_msg(self, mid: str, stream_id: int = 0) -> pb.AgentMessage:
         reg = pb.Register(
             node_id=self.cfg.node_id,
             role=_ROLE[self.cfg.role],
@@ -368,6 +399,7 @@ class NodeAgent:
             incarnation=self.incarnation,
             engine_down=not self.engine.up,
             engine_reason=self.engine.reason,
+            stream_id=stream_id,
         )
         grant = self._grant(mid)
         if grant is not None:
@@ -415,7 +447,9 @@ class NodeAgent:
                 call = pb_grpc.NodeCoordinationStub(channel).Connect()
                 link.sent_epoch = self.slicer.epoch
                 link.sent_share = self.slicer.share_for(link.master_id)
-                await call.write(self._register_msg(link.master_id))
+                link.stream_id = self._next_stream_id()
+                self.slicer.stream_opening(link.master_id, link.stream_id)
+                await call.write(self._register_msg(link.master_id, link.stream_id))
                 first = await call.read()
                 if first is grpc.aio.EOF:
                     raise ConnectionError("master closed the stream before acknowledging Register")
@@ -424,7 +458,9 @@ class NodeAgent:
                 backoff.reset()
                 outage.recovered()
                 log.info("stream to master %s (%s) up", link.master_id, link.address)
-                changed = self.slicer.stream_up(link.master_id, time.monotonic(), time.time_ns())
+                changed = self.slicer.stream_up(
+                    link.master_id, time.monotonic(), time.time_ns(), stream_id=link.stream_id
+                )
                 if self._on_ack(link, first.ack) or changed:
                     self._changed()
                 reader = asyncio.create_task(self._read_acks(link, call))
@@ -479,8 +515,15 @@ class NodeAgent:
                     reader.add_done_callback(_retrieved)
                 was_up = link.connected
                 link.call, link.connected = None, False
-                if was_up and self.slicer.stream_down(link.master_id, time.monotonic(), time.time_ns()):
-                    self._changed()
+                if was_up:
+                    now, tns = time.monotonic(), time.time_ns()
+                    changed = self.slicer.stream_down(link.master_id, now, tns)
+                    entry = self._entries.get(link.master_id)
+                    if entry is not None and entry.released_stream == link.stream_id:
+                        # the master noticed first, and its last request here ended already
+                        changed |= self._released(link.master_id, link.stream_id, now, tns)
+                    if changed:
+                        self._changed()
                 self._kick.set()  # the grace deadline may have moved
             if was_up and (link.gone_check is None or link.gone_check.done()):
                 # Beside the reconnects, not before them: a live master's stream comes back as

@@ -33,6 +33,11 @@ orphans it weighs run together, not each one, and the cut goes in name order, so
 may cover another's leases: when one of them then goes alone (its master came back, or said what it
 still runs), its slots stay reserved under the pool's name until a sample frees them.
 
+A master that is alive but lost its stream (a network cut) stops placing work here as soon as it
+notices, and once its last lease here has ended it names that stream in its etcd key as released
+(``Register.stream_id``); the agent then drops its orphan at once (``release``), without a sample:
+the word covers one stream, so an older stream's word, or one for a stream still up here, is no proof.
+
 A lease's end. The engine stops counting a decode at its last token, whatever the client reads; the
 master releases a streamed lease as soon as it has read the engine's answer whole (not once a slow
 client has it all), and a lease whose answer it stopped reading for a slow client no longer counts in
@@ -261,6 +266,15 @@ class Handover:
         o = self.orphans.pop(master_id, None)
         if o is not None:
             self._unpool(o, o.slots)
+
+    def release(self, master_id: str) -> bool:
+        """The master said that nothing of it runs here and that it places nothing more here (its
+        etcd key names the stream it lost as released): its orphan goes. True if it had one."""
+        o = self.orphans.pop(master_id, None)
+        if o is None:
+            return False
+        self._unpool(o, o.slots)
+        return True
 
     def probe(
         self,

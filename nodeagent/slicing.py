@@ -206,6 +206,10 @@ class MasterView:
     # When its address was found refusing connections after its stream went down (its process is
     # gone, so it places no more work anywhere): it leaves the split then, without waiting for the grace.
     gone_at: float | None = None
+    # Register.stream_id of the last stream opened to it; ``released``: its key named that stream as
+    # released after it went down (nothing of it runs here, it places nothing more until a new stream).
+    stream_id: int = 0
+    released: bool = False
 
 
 @dataclass
@@ -300,12 +304,21 @@ class Slicer:
         drains with an empty queue, but also for a master none of whose Acks said so before it went."""
         self._draining.add(master_id)
 
-    def stream_up(self, master_id: str, now: float, time_ns: int) -> bool:
+    def stream_opening(self, master_id: str, stream_id: int) -> None:
+        """A Register goes out on a new stream, with the master's grant of now: from here on only
+        this stream may be named released (an earlier one's word came too late to free that grant)."""
+        view = self.views.get(master_id)
+        if view is not None:
+            view.stream_id = stream_id
+
+    def stream_up(self, master_id: str, now: float, time_ns: int, stream_id: int = 0) -> bool:
         view = self.views.setdefault(master_id, MasterView())
         view.connected = True
         view.down_since = None
         view.fresh = False
         view.gone_at = None
+        view.stream_id = stream_id
+        view.released = False
         self._last_up[master_id] = now
         self._draining.discard(master_id)  # a draining master takes no new streams: a new process
         return self._recompute(now, time_ns)
@@ -345,6 +358,23 @@ class Slicer:
             o.not_before = min(o.not_before, self._samples_count_from(master_id, now))
             self._ho.mark_gone(master_id)
         return self._recompute(now, time_ns)
+
+    def master_released(self, master_id: str, stream_id: int, now: float, time_ns: int) -> bool:
+        """The master's etcd key names ``stream_id`` as released: once that stream was gone, the
+        master's last request here ended, and it places nothing more here until a new stream brings
+        a new grant. If it is the master's last stream and it is down here too, the master leaves the
+        split at once and its slots are free: no engine sample has to prove it. True when the word
+        was taken (the grants may have moved; a sample may have freed the slots already). A stale word
+        (an older stream's, or one read while the stream is up) changes nothing.
+        """
+        view = self.views.get(master_id)
+        if view is None or view.connected or view.released or not stream_id or view.stream_id != stream_id:
+            return False
+        view.released = True
+        self._recompute(now, time_ns)  # it leaves the split (it may still be in its grace)
+        if self._ho.release(master_id):
+            self._recompute(now, time_ns)
+        return True
 
     def _left_for_good(self, master_id: str) -> bool:
         """Its requests here were cancelled or have ended: its process is gone, or it drained and
@@ -474,7 +504,7 @@ class Slicer:
         for mid, v in self.views.items():
             if not v.in_etcd:
                 continue
-            if mid in self._draining or v.gone_at is not None:
+            if mid in self._draining or v.gone_at is not None or v.released:
                 continue
             if v.connected or (v.down_since is not None and now - v.down_since < self._window(v)):
                 out.append(mid)

@@ -604,6 +604,10 @@ class AdmissionCore:
     def active_on(self, node: str) -> int:
         return self._active.get(node, 0)
 
+    def share_on(self, node: str) -> int:
+        """The share admission may place leases against on ``node`` now."""
+        return self._shares.get(node, 0)
+
     def granted_on(self, node: str) -> int:
         """Slots granted on ``node`` since this core started (only grows)."""
         return self._granted_on.get(node, 0)

@@ -125,8 +125,10 @@ class Lease:
             return t.deadline
         return t.enqueued_at + self._controller.core.wait_limit(t.request_class)  # granted at once
 
-    def release(self) -> None:
-        self._controller._release(self.ticket)
+    def release(self, unfinished: bool = False) -> None:
+        """Give the slots back. ``unfinished``: the request was abandoned (client gone, engine error,
+        timeout) without its answer read whole, so the engine may still run it for a while."""
+        self._controller._release(self.ticket, unfinished)
 
     def decode_sent(self) -> None:
         """Its decode request went out to the engine (``AdmissionCore.decode_sent``)."""
@@ -171,7 +173,8 @@ class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self._lease is not None:
-            self._lease.release()
+            # a no-op when the answer was read whole (the relay released it then)
+            self._lease.release(unfinished=True)
 
 
 class AdmissionController:
@@ -194,6 +197,7 @@ class AdmissionController:
         self.master_id = master_id
         self.sessions = SessionTracker(clock=clock)
         self._clock = clock
+        self._unfinished_at: dict[str, float] = {}  # node -> see unfinished_end_at
         if metrics is None:
             # a private registry by default, so several controllers can live in one process
             reg = registry if registry is not None else CollectorRegistry()
@@ -311,12 +315,16 @@ class AdmissionController:
     def active_on(self, node: str) -> int:
         return self.core.active_on(node)
 
+    def share_on(self, node: str) -> int:
+        return self.core.share_on(node)
+
     def wanted_slots(self) -> int:
         return self.core.wanted_slots()
 
     def forget_node(self, node: str) -> bool:
         """Drop ``node`` from the core (``AdmissionCore.forget_node``): after the master forgot it."""
         self.update_shares({node: 0})
+        self._unfinished_at.pop(node, None)
         return self.core.forget_node(node)
 
     def close(self) -> None:
@@ -329,9 +337,17 @@ class AdmissionController:
 
     # ------------------------------------------------------------------ internals
 
-    def _release(self, t: Ticket) -> None:
+    def _release(self, t: Ticket, unfinished: bool = False) -> None:
         if t.state is TicketState.GRANTED and not t.released:
+            if unfinished and t.sent and t.node is not None:
+                self._unfinished_at[t.node] = self._clock()
             self._apply(self.core.release(t))
+
+    def unfinished_end_at(self, node: str) -> float:
+        """When a lease on ``node`` whose decode request had gone out was last released without its
+        answer read whole (-inf: never): the engine may have run it on after that, as a cancellation
+        reaches it only over a working link."""
+        return self._unfinished_at.get(node, -math.inf)
 
     def _apply(self, changes: list[Ticket], queued: Ticket | None = None) -> None:
         """Count and wake the changed tickets; ``queued``: the waiter that just entered the queue."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -217,6 +218,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                 start_args=dict(reg.start_args),
                 agent_version=reg.agent_version,
                 incarnation=reg.incarnation,
+                stream_id=reg.stream_id,
                 grant=grant,
                 engine_down=reg.engine_down,
                 engine_reason=reg.engine_reason,
@@ -225,6 +227,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
             await self._refuse(context, exc.code, exc.message)
             return
         node_id = node.node_id
+        node.heard_at = time.monotonic()
         log.info(
             "node %s (%s, %s) connected: share %d epoch %d%s",
             node_id,
@@ -285,6 +288,9 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                     return
                 kind = msg.WhichOneof("msg")
                 received.get(kind or "other", received["other"]).inc()
+                heard = self.registry.nodes.get(node_id)
+                if heard is not None and heard.stream == stream:
+                    heard.heard_at = time.monotonic()
                 if kind == "leaving":
                     log.info("node %s leaving: %s", node_id, msg.leaving.reason or "no reason given")
                     # forgotten once its stream is closed and no lease of this master runs there

@@ -472,9 +472,11 @@ class RequestPipeline:
                 )  # fmt: skip
                 self._stream_stalled(ctx, answers)
                 return resp
-            return await relay_parts_body(
+            resp = await relay_parts_body(
                 ctx.parsed.kind, parts, answers, ctx.headers, ctx.metrics, ctx.arrived, first_output
             )
+            self._answered(ctx)
+            return resp
         except (EngineError, OSError) as exc:
             raise self._relay_failed(ctx, exc) from None
 
@@ -491,9 +493,18 @@ class RequestPipeline:
                 )
                 self._stream_stalled(ctx, (answer,))
                 return resp
-            return await relay_body(answer, ctx.headers, ctx.metrics, ctx.arrived, first_output)
+            resp = await relay_body(answer, ctx.headers, ctx.metrics, ctx.arrived, first_output)
+            self._answered(ctx)
+            return resp
         except (EngineError, OSError) as exc:
             raise self._relay_failed(ctx, exc) from None
+
+    @staticmethod
+    def _answered(ctx: RequestContext) -> None:
+        """Every engine answer was read whole: the lease ends as a finished one (a streamed answer's
+        relay does the same), not as an abandoned one when the ``async with`` around it ends."""
+        if ctx.lease is not None:
+            ctx.lease.release()
 
     def _stream_stalled(self, ctx: RequestContext, answers: Sequence[EngineResponse]) -> None:
         """A stream that ended with an SSE error event because D stalled (in any of its parts): D's

@@ -52,6 +52,12 @@ class Node:
     start_args: dict[str, str] = field(default_factory=dict)
     agent_version: str = ""
     incarnation: int = 0
+    # Register.stream_id: names the stream in this master's etcd key once the stream is gone and
+    # nothing of this master runs on the node (0: an earlier agent, never named).
+    stream_id: int = 0
+    # When the last message on its stream came in (monotonic; set by the coordination service): the
+    # link to the node's host worked then.
+    heard_at: float = 0.0
     # An agent that sends no grant (older agent) grants its full capacity (old single-master behaviour).
     legacy: bool = False
     share: int = 0
@@ -290,6 +296,7 @@ class NodeRegistry:
         start_args: Mapping[str, str] | None = None,
         agent_version: str = "",
         incarnation: int = 0,
+        stream_id: int = 0,
         grant: tuple[int, int] | None = None,
         engine_down: bool = False,
         engine_reason: str = "",
@@ -349,6 +356,7 @@ class NodeRegistry:
             start_args=dict(start_args or {}),
             agent_version=agent_version,
             incarnation=incarnation,
+            stream_id=stream_id,
             connected=True,
             stream=self._next_stream,
             bootstrap_port=bootstrap_port,

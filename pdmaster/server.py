@@ -61,6 +61,15 @@ FORGET_POLL_S = 1.0
 KEY_CHECK_S = 10.0
 # More keys than this due in one pass: one range read of nodes/ instead of one read each.
 KEY_CHECK_MAX_GETS = 16
+# While a node's stream is down: how often the master looks whether its last request there ended, to
+# name the stream in its etcd key ("released"); the node's agent then frees its slots at once instead
+# of waiting for engine samples, which short requests under load rarely let prove anything.
+RELEASE_POLL_S = 0.1
+# A request the master abandoned (client gone, engine error, timeout) may run on in the engine: its
+# cancellation reaches the engine only over a working link. One abandoned at least this long before
+# the last message on the agent's stream (same host, so the link then worked) has been stopped; one
+# abandoned later keeps the stream from being named released (the agent waits for engine samples).
+RELEASE_ABORT_MARGIN_S = 2.0
 # While the etcd lease is lost: how often the master looks for nodes where its last lease ended, to
 # tell their agents at once that it drains there (CoordinationService.push_draining).
 LOST_DRAIN_POLL_S = 0.05
@@ -266,6 +275,9 @@ class MasterServer:
         self._count_task: asyncio.Task[None] | None = None
         self._forget_task: asyncio.Task[None] | None = None
         self._key_check_at: dict[str, float] = {}  # disconnected node -> next look at its etcd key
+        self._release_task: asyncio.Task[None] | None = None
+        # node -> Register.stream_id of its gone stream, as written in the key (_release_loop)
+        self._released: dict[str, int] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _on_shares(self, changes: ShareChanges) -> None:
@@ -450,6 +462,50 @@ class MasterServer:
             except ValueError:
                 continue
         return present
+
+    # -- naming gone streams on which nothing of this master runs -------------------------------
+    def released_streams(self) -> dict[str, int]:
+        """Nodes whose stream is down and where this master holds no share and runs nothing (no
+        decode lease, no prefill in flight, no abandoned request the engine may still run: see
+        RELEASE_ABORT_MARGIN_S), each with the id of that stream. It places nothing there until a new
+        stream brings a new grant, so its agent may hand the slots on at once."""
+        self.registry.flush()  # admission must already hold no share there
+        router = self.pipeline.router
+        out: dict[str, int] = {}
+        for node_id in self.registry.disconnected():
+            node = self.registry.nodes.get(node_id)
+            if node is None or not node.stream_id:
+                continue  # an agent of an earlier release names no stream
+            if (
+                self.admission.share_on(node_id)
+                or self.admission.active_on(node_id)
+                or router.prefill_in_flight.get(node_id, 0)
+                or self.admission.unfinished_end_at(node_id) >= node.heard_at - RELEASE_ABORT_MARGIN_S
+            ):
+                continue
+            out[node_id] = node.stream_id
+        return out
+
+    async def _release_loop(self) -> None:
+        outage = Outage(log, "naming released streams in this master's etcd key", level=logging.INFO)
+        while True:
+            await asyncio.sleep(RELEASE_POLL_S)
+            if self.registration is None or self.lifecycle.draining:
+                continue
+            want = self.released_streams()
+            if want == self._released:
+                continue
+            doc = {**self._key_doc, "released": want} if want else self._key_doc
+            try:
+                # Not registered at the moment: the value is kept for the key's re-creation.
+                await self.registration.update(json.dumps(doc))
+            except EtcdError as exc:
+                outage.failed(exc)  # the agents wait for their engine samples, as without it
+                continue
+            outage.recovered()
+            if want.keys() - self._released.keys():
+                log.info("released in etcd: streams of %s (nothing of this master runs there)", sorted(want))
+            self._released = want
 
     def _on_agent_engine(self, node_id: str, down: bool) -> None:
         if not down:
@@ -640,6 +696,7 @@ class MasterServer:
             )
         self._count_task = asyncio.create_task(self._count_masters(), name="count-masters")
         self._forget_task = asyncio.create_task(self._forget_loop(), name="forget-nodes")
+        self._release_task = asyncio.create_task(self._release_loop(), name="release-streams")
         tune_gc()  # start-up is done: what it allocated is never scanned again
         print(
             f"pdmaster ready master_id={self.master_id} "
@@ -687,7 +744,7 @@ class MasterServer:
             self.lifecycle.registered_while(lambda: False)
 
     async def close(self) -> None:
-        for task in (self._count_task, self._forget_task, self._lost_drain_task):
+        for task in (self._count_task, self._forget_task, self._release_task, self._lost_drain_task):
             if task is not None:
                 task.cancel()
         try:

@@ -74,10 +74,10 @@ class GatePass(Lease):
         super().__init__(lease._controller, lease.ticket)
         self.decode: Lease | None = None
 
-    def release(self) -> None:
+    def release(self, unfinished: bool = False) -> None:
         if self.decode is not None:
-            self.decode.release()
-        super().release()
+            self.decode.release(unfinished)
+        super().release(unfinished)
 
 
 class StagedLease(Lease):
@@ -98,8 +98,8 @@ class StagedLease(Lease):
     def deadline(self) -> float:
         return self.gate_pass.deadline
 
-    def release(self) -> None:
-        self.gate_pass.release()  # and this lease
+    def release(self, unfinished: bool = False) -> None:
+        self.gate_pass.release(unfinished)  # and this lease
 
 
 class _Gate(AdmissionController):
@@ -130,7 +130,8 @@ class _PassContext(contextlib.AbstractAsyncContextManager[Lease]):
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self._pass is not None:
-            self._pass.release()
+            # a no-op for a decode lease whose answer was read whole (the relay released it then)
+            self._pass.release(unfinished=True)
 
 
 class StagedAdmission(AdmissionController):

@@ -132,6 +132,10 @@ class SimConfig:
     # key drained just before they revoke it (agents free their slots at once); False: as masters of
     # earlier releases, which revoke with requests still running and say nothing in the key.
     drained_keys: bool = True
+    # Masters of this release name a node whose stream they lost in their key ("released") once they
+    # hold no share and run nothing there (pdmaster.server._release_loop, every 0.1 s); the agent then
+    # frees their slots at once (Slicer.master_released). False: as masters of earlier releases.
+    released_keys: bool = False
     # Masters started at the beginning (default: all of ``masters``); the others start by churn.
     start_masters: tuple[str, ...] | None = None
     # Scheduled churn after the warm-up: (time, "join" | "drain" | "die", master), time in seconds
@@ -192,6 +196,7 @@ class SimAgent:
     polled: list[Link] | None = None  # the links asked before a bracketed sample, until it is taken
     closing: bool = False  # waiting end_seen_s to close a sample's bracket: no new sample until then
     starting: bool = False  # waiting start_seen_s after the opening Acks: no new sample until then
+    released_seen: dict[str, int] = field(default_factory=dict)  # "released" in each master's key, as read
 
 
 @dataclass
@@ -215,6 +220,7 @@ class SimMaster:
     unfinished_on: dict[str, int] = field(default_factory=dict)
     decoding_on: dict[str, int] = field(default_factory=dict)
     waiting_on: dict[str, int] = field(default_factory=dict)
+    released: dict[str, int] = field(default_factory=dict)  # node -> stream id named in its key
 
     def engine_reset(self) -> None:
         """The process is gone, or starts afresh: the engines dropped its requests."""
@@ -232,6 +238,7 @@ class Stats:
     busy_slot_s: float = 0.0  # Σ over time of slots the engines run, for utilisation
     slow_leases: int = 0  # leases granted to a slow client (slow_fraction)
     cancelled_unsent: int = 0  # leases in their prefill whose master lost the node (unsent_on_loss)
+    released: int = 0  # "released" words an agent took (released_keys)
     measured_s: float = 0.0
     events: int = 0
     # Per churn event: (time, kind, master, seconds until every node converged; None: not within
@@ -524,7 +531,7 @@ class ProtocolSim:
         m.alive, m.draining = True, False
         m.registry = NodeRegistry()
         m.core = AdmissionCore(self.cfg.admission, clock=lambda: self.now)
-        m.streams, m.leases = {}, {}
+        m.streams, m.leases, m.released = {}, {}, {}
         m.engine_reset()
         self.drained.discard(mid)  # a new process: its key says nothing of the last one's drain
         # The master's own path: the registry hands admission only the nodes whose share changed.
@@ -700,7 +707,29 @@ class ProtocolSim:
         for m in self.masters.values():
             if m.alive and m.core is not None:
                 self.master_changes(m, m.core.expire())
+                if self.cfg.released_keys:
+                    self._master_release(m)
         self.after(0.1, self.master_timers)
+
+    def _master_release(self, m: SimMaster) -> None:
+        """As PDMaster.released_streams and _release_loop: name the nodes whose stream is down and
+        where it holds no share and runs nothing; each node's agent reads the put by its watch."""
+        assert m.core is not None
+        want: dict[str, int] = {}
+        for node in m.registry.disconnected():
+            n = m.registry.nodes.get(node)
+            if n is None or not n.stream_id or m.core.share_on(node) or m.core.active_on(node):
+                continue
+            want[node] = n.stream_id
+        if want == m.released:
+            return
+        new = {k: v for k, v in want.items() if m.released.get(k) != v}
+        m.released = want
+        for node, sid in sorted(new.items()):
+            a = self.agents[node]
+            lo, hi = self.cfg.watch_delay_s
+            a.watch_last = max(a.watch_last, self.now + self.rng.uniform(lo, hi))
+            self.at(a.watch_last, lambda a=a, sid=sid, inc=a.inc: self.agent_released(a, m.mid, sid, inc))  # type: ignore[misc]
 
     def master_crash(self, m: SimMaster) -> None:
         m.alive = False
@@ -808,6 +837,7 @@ class ProtocolSim:
                     endpoint=f"http://{s.node}",
                     running_max_req_size=self.cfg.nodes[s.node],
                     grant=grant,
+                    stream_id=s.sid if self.cfg.released_keys else 0,
                 )
                 s.token = token
                 m.streams[s.node] = s
@@ -852,6 +882,7 @@ class ProtocolSim:
         a.alive = True
         a.links = {}
         a.polled, a.bracket_next, a.closing, a.starting = None, False, False, False
+        a.released_seen = {}
         a.slicer = Slicer(
             node_id=a.node,
             capacity=a.capacity,
@@ -930,6 +961,8 @@ class ProtocolSim:
             return
         s = Stream(next(self._sid), a.node, m.mid, a.inc, m.inc)
         link.stream = s
+        if a.slicer is not None:
+            a.slicer.stream_opening(m.mid, s.sid)
         link.acked = None
         self.agent_send(a, link, "register")
 
@@ -968,7 +1001,7 @@ class ProtocolSim:
         if not link.up:
             link.up = True
             link.backoff = 0.1
-            changed |= a.slicer.stream_up(s.master, self.now, self.time_ns())
+            changed |= a.slicer.stream_up(s.master, self.now, self.time_ns(), stream_id=s.sid)
         answers = link.report_sent_at if seq and seq == link.report_seq else -math.inf
         # The handover accepts a closing Ack only for a Report sent END_SEEN_S after the sample came
         # back; an agent that waits (and accepts) end_seen_s instead is the same comparison with
@@ -1008,12 +1041,27 @@ class ProtocolSim:
         link.stream = None
         if link.up:
             link.up = False
-            if a.slicer.stream_down(s.master, self.now, self.time_ns()):
+            changed = a.slicer.stream_down(s.master, self.now, self.time_ns())
+            if a.released_seen.get(s.master) == s.sid and a.slicer.master_released(
+                s.master, s.sid, self.now, self.time_ns()
+            ):  # the master's key named it first
+                self.stats.released += 1
+                changed = True
+            if changed:
                 self._changed(a)
             # The agent tries the master's address (NodeAgent._check_gone): a round trip.
             self.after(2 * self.delay(), lambda: self.agent_check_gone(a, link))
         self.after(link.backoff, lambda: self.agent_connect(a, link))
         link.backoff = min(link.backoff * 2, 1.0)
+
+    def agent_released(self, a: SimAgent, mid: str, sid: int, inc: int) -> None:
+        """The agent's watch brings a put of the master's key that names stream ``sid`` released."""
+        if not a.alive or a.slicer is None or a.inc != inc:
+            return
+        a.released_seen[mid] = sid
+        if a.slicer.master_released(mid, sid, self.now, self.time_ns()):
+            self.stats.released += 1
+            self._changed(a)
 
     def agent_check_gone(self, a: SimAgent, link: Link) -> None:
         """A connection to the master's address (a round trip): refused only when its process is dead."""

@@ -25,7 +25,7 @@ class Grant(_message.Message):
     def __init__(self, capacity_share: _Optional[int] = ..., capacity_epoch: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "role", "endpoint", "running_max_req_size", "start_args", "agent_version", "incarnation", "grant", "engine_down", "engine_reason")
+    __slots__ = ("node_id", "role", "endpoint", "running_max_req_size", "start_args", "agent_version", "incarnation", "grant", "engine_down", "engine_reason", "stream_id")
     class StartArgsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class Register(_message.Message):
     GRANT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_DOWN_FIELD_NUMBER: _ClassVar[int]
     ENGINE_REASON_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: Role
     endpoint: str
@@ -53,7 +54,8 @@ class Register(_message.Message):
     grant: Grant
     engine_down: bool
     engine_reason: str
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., endpoint: _Optional[str] = ..., running_max_req_size: _Optional[int] = ..., start_args: _Optional[_Mapping[str, str]] = ..., agent_version: _Optional[str] = ..., incarnation: _Optional[int] = ..., grant: _Optional[_Union[Grant, _Mapping]] = ..., engine_down: _Optional[bool] = ..., engine_reason: _Optional[str] = ...) -> None: ...
+    stream_id: int
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., endpoint: _Optional[str] = ..., running_max_req_size: _Optional[int] = ..., start_args: _Optional[_Mapping[str, str]] = ..., agent_version: _Optional[str] = ..., incarnation: _Optional[int] = ..., grant: _Optional[_Union[Grant, _Mapping]] = ..., engine_down: _Optional[bool] = ..., engine_reason: _Optional[str] = ..., stream_id: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("running", "waiting", "kv_usage", "probe_ok")

@@ -355,3 +355,27 @@ async def test_after_a_pause_the_queue_moves_when_the_hold_ends_without_another_
     assert lease.node == "d1" and lease.wait_s >= 0.25
     lease.release()
     ctl.close()
+
+
+async def test_a_lease_abandoned_after_its_decode_went_out_is_remembered_per_node() -> None:
+    """A master names a lost stream released only if no request it abandoned there may still run in
+    the engine (pdmaster.server.RELEASE_ABORT_MARGIN_S): a lease released by the ``async with``
+    without its answer read whole, once its decode request had gone out, is remembered per node; one
+    whose answer the relay read whole (``release()``), or whose decode never went out, is not."""
+    now = [100.0]
+    ctl = AdmissionController(AdmissionPolicy(), registry=CollectorRegistry(), clock=lambda: now[0])
+    ctl.set_shares({"d1": 2})
+    async with ctl.acquire() as lease:  # the relay read the answer whole
+        lease.decode_sent()
+        lease.release()
+    async with ctl.acquire() as lease:  # failed before its decode request went out
+        pass
+    assert ctl.unfinished_end_at("d1") == float("-inf")
+    now[0] = 105.0
+    with pytest.raises(RuntimeError):
+        async with ctl.acquire() as lease:
+            lease.decode_sent()
+            raise RuntimeError("the client went away")
+    assert ctl.unfinished_end_at("d1") == 105.0 and ctl.core.active == 0
+    ctl.forget_node("d1")
+    assert ctl.unfinished_end_at("d1") == float("-inf")

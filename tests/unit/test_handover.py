@@ -682,6 +682,65 @@ def test_slots_held_idle_move_to_a_master_whose_requests_wait_whatever_the_hyste
     assert dict(s.targets) == {"a": 11, "b": 5}
 
 
+def _cut_off_b_with_a_stream(stream_b: int) -> Slicer:
+    """a and b each run 4 of 8 slots; b's stream ``stream_b`` goes down (b alive, cut off)."""
+    s = started(8, ["a", "b"])
+    s.stream_up("b", 1.5, 5, stream_id=stream_b)
+    for m in ("a", "b"):
+        s.on_ack(m, s.epoch, 4, 0, 2.0, 10, kept=4, answers_sent_at=1.9)
+    s.stream_down("b", 2.0, 11)
+    return s
+
+
+def test_a_master_that_names_its_lost_stream_released_frees_its_slots_without_a_sample() -> None:
+    """b's etcd key names the stream it lost as released (its last request here ended, it places
+    nothing more here until a new stream): its slots go to a at once, in its grace or after it,
+    and no engine sample is needed."""
+    s = _cut_off_b_with_a_stream(77)
+    assert s.master_released("b", 77, 2.5, 12)  # still within b's grace
+    assert dict(s.shares) == {"a": 8} and s.snapshot()["orphans"] == {}
+    assert not s.waits_for_engine
+    assert not s.master_released("b", 77, 2.6, 13)  # said once is enough
+
+    s = _cut_off_b_with_a_stream(77)
+    s.tick(3.0, 12)  # grace over: b's 4 slots are an orphan
+    assert s.snapshot()["orphans"] == {"b": 4} and s.share_for("a") == 4
+    assert s.master_released("b", 77, 3.5, 13)
+    assert dict(s.shares) == {"a": 8} and s.snapshot()["orphans"] == {}
+
+
+def test_a_released_stream_that_is_not_the_lost_one_changes_nothing() -> None:
+    """The word names one stream: an older stream's (a key not yet rewritten after b came back and
+    lost its new stream), any stream while b's is up, or an agent of an earlier release's (0)."""
+    s = _cut_off_b_with_a_stream(78)
+    s.tick(3.0, 12)
+    assert not s.master_released("b", 77, 3.5, 13)  # the stream before
+    assert not s.master_released("b", 0, 3.5, 13)
+    assert not s.master_released("c", 78, 3.5, 13)  # no such master
+    assert s.snapshot()["orphans"] == {"b": 4}
+    # b's new stream comes up: the old stream's word is stale, the new stream's names nothing yet
+    s.stream_up("b", 4.0, 14, stream_id=79)
+    assert not s.master_released("b", 78, 4.1, 15)
+    assert not s.master_released("b", 79, 4.1, 15)  # up on this side: b is still in the split
+    assert "b" in s.members(4.1)
+    # it goes down again, and then its key names it: it leaves at once, and comes back as new
+    s.stream_down("b", 5.0, 16)
+    assert s.master_released("b", 79, 5.1, 17)
+    assert "b" not in s.members(5.1)
+    s.stream_up("b", 6.0, 18, stream_id=80)
+    assert "b" in s.members(6.0)
+
+
+def test_a_release_named_after_the_agent_opened_a_new_stream_frees_nothing() -> None:
+    """b's stream 77 went down and the agent opened 78 at once: its Register carried b's grant of
+    the moment (b was still in its grace), so a word about 77 that comes in after it may not free
+    those slots: b may take them up on 78. (The protocol model found this one.)"""
+    s = _cut_off_b_with_a_stream(77)
+    s.stream_opening("b", 78)
+    assert not s.master_released("b", 77, 2.5, 12)
+    assert s.share_for("b") == 4
+
+
 def test_a_returning_master_is_granted_the_leases_it_still_runs_when_nothing_is_free() -> None:
     """b comes back with its 2 leases still running and a holds the rest: b's grant goes back to 2 at
     once (its bound counted them already), so it may replace them as they end. It stayed 0 until they
