@@ -9,6 +9,8 @@ requests through both masters; each fault lasts ``--cut`` seconds, then heals. P
 * ``survivors_full_s``: from the fault to the masters that still reach each node holding all of it
   (null: not within the fault — a cut-off master's slots stay reserved until an engine sample proves
   them free or ``--orphan-timeout`` passes);
+* ``survivors_free_s``: from the fault to those masters holding every slot of each node that the other
+  masters' leases do not run (what is left of a cut-off master's requests keeps its slots until they end);
 * ``full_after_heal_s``: from the heal to the exact split on every master;
 * the least decode capacity each master had during the fault, the outcomes of the requests, the
   decode engines' over-capacity events (must be 0) and, for the slow etcd, the failover and join times
@@ -91,6 +93,7 @@ def main() -> None:
         summary[name] = {
             "what": rs[0]["what"],
             "survivors_full_s": _stats([r["survivors_full_s"] for r in rs]),
+            "survivors_free_s": _stats([r.get("survivors_free_s") for r in rs]),
             "full_after_heal_s": _stats([r["full_after_heal_s"] for r in rs]),
             "over_capacity": sum(sum(r["over_capacity"].values()) for r in rs),
             "bad_requests": sum(len(r["bad"]) for r in rs),
@@ -121,7 +124,8 @@ def main() -> None:
     print(f"wrote {path}")
     for name, s in summary.items():
         print(
-            f"{name:26s} survivors full {s['survivors_full_s']}  after heal {s['full_after_heal_s']}  "
+            f"{name:26s} survivors full {s['survivors_full_s']}  all free {s['survivors_free_s']}  "
+            f"after heal {s['full_after_heal_s']}  "
             f"over capacity {s['over_capacity']}  bad {s['bad_requests']} of {s['requests']}"
         )
 

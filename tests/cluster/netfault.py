@@ -737,6 +737,22 @@ def engine_counts(c: LocalCluster, names: Iterable[str]) -> dict[str, dict[str, 
     return out
 
 
+def holds_free(
+    table: dict[str, dict[str, int]],
+    active: dict[str, dict[str, int]],
+    owners: dict[str, list[str]],
+    caps: dict[str, int],
+) -> bool:
+    """On every node the owners hold all the slots that the other masters' leases do not run: what
+    they may hold without cutting anyone's request short."""
+    for node, cap in caps.items():
+        held = sum(table.get(m, {}).get(node, 0) for m in owners[node])
+        running = sum(active.get(m, {}).get(node, 0) for m in table if m not in owners[node])
+        if held + running < cap:
+            return False
+    return True
+
+
 def holds(table: dict[str, dict[str, int]], owners: dict[str, list[str]], caps: dict[str, int]) -> bool:
     """Every node's capacity is held, exactly as the static split gives it, by its ``owners``."""
     for node, cap in caps.items():
@@ -777,6 +793,9 @@ class ScenarioResult:
     what: str
     cut_s: float
     survivors_full_s: float | None  # from the fault to its owners holding every node; None: not in the cut
+    # from the fault to its owners holding every slot the other masters' leases do not run (the
+    # slots of requests a cut-off master still runs follow as those end); None: not in the cut
+    survivors_free_s: float | None
     full_after_heal_s: float | None  # from the heal to the exact split on every master; None: not converged
     unheld_s: float  # time during the fault in which the owners did not hold their exact split
     longest_unheld_s: float  # its longest stretch
@@ -842,6 +861,19 @@ class Fleet:
     def wait_exact(self, timeout: float) -> float:
         return self.c.wait_for(self.exact, timeout, interval=0.05)
 
+    def view(self) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+        """Per live master, from one ``/admission`` each: node -> effective share, node -> active slots."""
+        shares: dict[str, dict[str, int]] = {}
+        active: dict[str, dict[str, int]] = {}
+        for mid, m in self.c.masters.items():
+            if not m.proc.alive:
+                continue
+            with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
+                snap = m.admission()
+                shares[mid] = {n["node_id"]: int(n["effective_share"]) for n in snap["nodes"]}
+                active[mid] = {n: int(v["active"]) for n, v in snap.get("admission_nodes", {}).items()}
+        return shares, active
+
     def capacities(self) -> dict[str, int]:
         out = {}
         for m in MASTERS:
@@ -874,6 +906,7 @@ def run_scenario(
     load.start()
     faulted: Faulted | None = None
     survivors_full: float | None = None
+    survivors_free: float | None = None
     full_after_heal: float | None = None
     min_cap: dict[str, int] = {}
     unheld = longest_unheld = 0.0  # seconds of the fault in which the owners did not hold their split
@@ -889,8 +922,11 @@ def run_scenario(
         since: float | None = None  # the start of the current stretch not held
         while (now := time.monotonic()) < until:
             held = False
-            with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
-                held = holds(fleet.table(), owners, CAPS)
+            with contextlib.suppress(OSError, ValueError, urllib.error.URLError, KeyError):
+                table, active = fleet.view()
+                held = holds(table, owners, CAPS)
+                if survivors_free is None and holds_free(table, active, owners, CAPS):
+                    survivors_free = now - t_cut
             if held:
                 if survivors_full is None:
                     survivors_full = now - t_cut
@@ -932,11 +968,13 @@ def run_scenario(
         bad.append(f"{sent} requests sent, {ended} ended")
     if faulted is not None and faulted.survivors_full_s is not None:
         survivors_full = faulted.survivors_full_s
+        survivors_free = survivors_full if survivors_free is None else min(survivors_free, survivors_full)
     result = ScenarioResult(
         name=name,
         what=what,
         cut_s=round(t_heal - t_cut, 2),
         survivors_full_s=None if survivors_full is None else round(survivors_full, 2),
+        survivors_free_s=None if survivors_free is None else round(survivors_free, 2),
         full_after_heal_s=None if full_after_heal is None else round(full_after_heal, 2),
         unheld_s=round(unheld, 2),
         longest_unheld_s=round(longest_unheld, 2),
@@ -952,9 +990,11 @@ def run_scenario(
         notes=dict(faulted.notes) if faulted is not None else {},
     )
     full = "-" if survivors_full is None else f"{survivors_full:.2f}s"
+    free = "-" if survivors_free is None else f"{survivors_free:.2f}s"
     healed = "never" if full_after_heal is None else f"{full_after_heal:.2f}s"
     log(
-        f"{name}: {what}; its owners held everything {full} into the {result.cut_s:.1f}s fault, the exact "
+        f"{name}: {what}; its owners held everything {full} (all but the slots others still ran: {free}) "
+        f"into the {result.cut_s:.1f}s fault, the exact "
         f"split {healed} after the heal; not held {result.unheld_s:.2f}s (longest "
         f"{result.longest_unheld_s:.2f}s); least capacity {min_cap}; {len(results)} requests "
         f"{result.outcomes}; over capacity {result.over_capacity}, held high water "
