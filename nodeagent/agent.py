@@ -82,8 +82,10 @@ class MasterEntry:
     keepalive_s: float = UNADVERTISED_KEEPALIVE_S
     detect_s: float = 0.0  # how soon it notices a cut stream; 0: not said (PEER_DETECT_S covers it)
     drained: bool = False  # it drained: nothing of it runs any more (written just before it goes)
-    # The stream of ours that it names as released: gone, and nothing of it runs on this node.
+    # The stream of ours that it names as released (gone; it places nothing more on this node) and
+    # the slots its leases here still run.
     released_stream: int | None = None
+    released_running: int = 0
 
 
 _ROLE = {"prefill": pb.PREFILL, "decode": pb.DECODE}
@@ -313,16 +315,21 @@ class NodeAgent:
                 # bool is an int: refuse it too; a negative or absurd time is a broken key
                 if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= MAX_ADVERTISED_S:
                     raise ValueError(f"{k} {v!r}")
-            # An optional hint: what is not a stream id is ignored (the slots then wait for samples).
+            # An optional hint: what is not {"stream": id, "running": slots} is ignored (the slots
+            # then wait for engine samples).
             released = doc.get("released")
-            ours = released.get(self.cfg.node_id) if isinstance(released, dict) else None
-            if isinstance(ours, bool) or not isinstance(ours, int) or ours <= 0:
-                ours = None
+            word = released.get(self.cfg.node_id) if isinstance(released, dict) else None
+            ours, running = None, 0
+            if isinstance(word, dict):
+                sid, n = word.get("stream"), word.get("running")
+                if type(sid) is int and type(n) is int and sid > 0 and n >= 0:
+                    ours, running = sid, n
             entry = MasterEntry(
                 addr,
                 **{k: float(v) for k, v in timing.items()},
                 drained=doc.get("drained") is True,
                 released_stream=ours,
+                released_running=running,
             )
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring master %s with unusable value %r (%s)", mid, value[:200], exc)
@@ -342,7 +349,7 @@ class NodeAgent:
             if entry.drained:
                 self.slicer.master_drained(mid)
             if entry.released_stream is not None:
-                released |= self._released(mid, entry.released_stream, now, tns)
+                released |= self._released(mid, entry, now, tns)
             # Before the master joins the split: its slots may have to wait for it once it leaves.
             if self.slicer.allow_peer_detect(entry.detect_s):
                 log.info(
@@ -359,13 +366,19 @@ class NodeAgent:
         if self.slicer.set_masters(current.keys(), now, tns) or released:
             self._changed()
 
-    def _released(self, mid: str, stream_id: int, now: float, tns: int) -> bool:
+    def _released(self, mid: str, entry: MasterEntry, now: float, tns: int) -> bool:
         """The master's key names a stream of ours as released: if that is our last stream to it
-        and it is down on our side too, its slots here are free (Slicer.master_released). True when
-        the word was taken (once per stream): the masters hear of the grants it moved."""
-        if not self.slicer.master_released(mid, stream_id, now, tns):
+        and it is down on our side too, what it held here beyond what it still runs is free
+        (Slicer.master_released). True when the word was taken: the masters hear of the grants."""
+        assert entry.released_stream is not None
+        running = entry.released_running
+        if not self.slicer.master_released(mid, entry.released_stream, now, tns, running):
             return False
-        log.info("master %s released its stream to this node: its slots here are free", mid)
+        log.info(
+            "master %s released its stream to this node: its slots here are free%s",
+            mid,
+            f" but the {running} its requests still run" if running else "",
+        )
         return True
 
     def _next_stream_id(self) -> int:
@@ -520,8 +533,8 @@ class NodeAgent:
                     changed = self.slicer.stream_down(link.master_id, now, tns)
                     entry = self._entries.get(link.master_id)
                     if entry is not None and entry.released_stream == link.stream_id:
-                        # the master noticed first, and its last request here ended already
-                        changed |= self._released(link.master_id, link.stream_id, now, tns)
+                        # the master noticed first
+                        changed |= self._released(link.master_id, entry, now, tns)
                     if changed:
                         self._changed()
                 self._kick.set()  # the grace deadline may have moved

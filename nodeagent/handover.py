@@ -34,9 +34,10 @@ may cover another's leases: when one of them then goes alone (its master came ba
 still runs), its slots stay reserved under the pool's name until a sample frees them.
 
 A master that is alive but lost its stream (a network cut) stops placing work here as soon as it
-notices, and once its last lease here has ended it names that stream in its etcd key as released
-(``Register.stream_id``); the agent then drops its orphan at once (``release``), without a sample:
-the word covers one stream, so an older stream's word, or one for a stream still up here, is no proof.
+notices, and then names that stream in its etcd key as released (``Register.stream_id``) with the
+slots its leases here still run, again as they end; the agent shrinks its orphan to that at once
+(``release``), without a sample, and drops it at 0: the word covers one stream, so an older stream's
+word, or one for a stream still up here, is no proof.
 
 A lease's end. The engine stops counting a decode at its last token, whatever the client reads; the
 master releases a streamed lease as soon as it has read the engine's answer whole (not once a slow
@@ -267,13 +268,17 @@ class Handover:
         if o is not None:
             self._unpool(o, o.slots)
 
-    def release(self, master_id: str) -> bool:
-        """The master said that nothing of it runs here and that it places nothing more here (its
-        etcd key names the stream it lost as released): its orphan goes. True if it had one."""
-        o = self.orphans.pop(master_id, None)
-        if o is None:
+    def release(self, master_id: str, running: int = 0) -> bool:
+        """The master said that it places nothing more here and runs at most ``running`` slots here
+        (its etcd key names the stream it lost as released): its orphan shrinks to that, and goes at 0.
+        True if it shrank."""
+        o = self.orphans.get(master_id)
+        if o is None or o.slots <= running:
             return False
-        self._unpool(o, o.slots)
+        self._unpool(o, o.slots - running)
+        o.slots = running
+        if running == 0:
+            del self.orphans[master_id]
         return True
 
     def probe(

@@ -206,10 +206,11 @@ class MasterView:
     # When its address was found refusing connections after its stream went down (its process is
     # gone, so it places no more work anywhere): it leaves the split then, without waiting for the grace.
     gone_at: float | None = None
-    # Register.stream_id of the last stream opened to it; ``released``: its key named that stream as
-    # released after it went down (nothing of it runs here, it places nothing more until a new stream).
+    # Register.stream_id of the last stream opened to it; ``released``: the fewest slots its key said
+    # it still runs here since it named that stream released (it places nothing more here until a new
+    # stream); None: not named.
     stream_id: int = 0
-    released: bool = False
+    released: int | None = None
 
 
 @dataclass
@@ -318,7 +319,7 @@ class Slicer:
         view.fresh = False
         view.gone_at = None
         view.stream_id = stream_id
-        view.released = False
+        view.released = None
         self._last_up[master_id] = now
         self._draining.discard(master_id)  # a draining master takes no new streams: a new process
         return self._recompute(now, time_ns)
@@ -359,20 +360,28 @@ class Slicer:
             self._ho.mark_gone(master_id)
         return self._recompute(now, time_ns)
 
-    def master_released(self, master_id: str, stream_id: int, now: float, time_ns: int) -> bool:
-        """The master's etcd key names ``stream_id`` as released: once that stream was gone, the
-        master's last request here ended, and it places nothing more here until a new stream brings
-        a new grant. If it is the master's last stream and it is down here too, the master leaves the
-        split at once and its slots are free: no engine sample has to prove it. True when the word
-        was taken (the grants may have moved; a sample may have freed the slots already). A stale word
-        (an older stream's, or one read while the stream is up) changes nothing.
+    def master_released(
+        self, master_id: str, stream_id: int, now: float, time_ns: int, running: int = 0
+    ) -> bool:
+        """The master's etcd key names ``stream_id`` as released: that stream is gone, the master
+        places nothing more here until a new stream brings a new grant, and its leases here run at
+        most ``running`` slots. If it is the master's last stream and it is down here too, the master
+        leaves the split at once and what it held beyond ``running`` is free (all of it at 0): no
+        engine sample has to prove it. True when the word was taken: the first for that stream, or
+        one with fewer slots running (the grants may have moved; a sample may have freed the slots
+        already). A stale word (an older stream's, one read while the stream is up, or no news)
+        changes nothing.
         """
         view = self.views.get(master_id)
-        if view is None or view.connected or view.released or not stream_id or view.stream_id != stream_id:
+        if view is None or view.connected or not stream_id or view.stream_id != stream_id or running < 0:
             return False
-        view.released = True
-        self._recompute(now, time_ns)  # it leaves the split (it may still be in its grace)
-        if self._ho.release(master_id):
+        if view.released is not None and running >= view.released:
+            return False
+        first = view.released is None
+        view.released = running
+        if first:
+            self._recompute(now, time_ns)  # it leaves the split (it may still be in its grace)
+        if self._ho.release(master_id, running):
             self._recompute(now, time_ns)
         return True
 
@@ -504,7 +513,7 @@ class Slicer:
         for mid, v in self.views.items():
             if not v.in_etcd:
                 continue
-            if mid in self._draining or v.gone_at is not None or v.released:
+            if mid in self._draining or v.gone_at is not None or v.released is not None:
                 continue
             if v.connected or (v.down_since is not None and now - v.down_since < self._window(v)):
                 out.append(mid)

@@ -276,8 +276,8 @@ class MasterServer:
         self._forget_task: asyncio.Task[None] | None = None
         self._key_check_at: dict[str, float] = {}  # disconnected node -> next look at its etcd key
         self._release_task: asyncio.Task[None] | None = None
-        # node -> Register.stream_id of its gone stream, as written in the key (_release_loop)
-        self._released: dict[str, int] = {}
+        # node -> {"stream": Register.stream_id of its gone stream, "running": slots}, as in the key
+        self._released: dict[str, dict[str, int]] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _on_shares(self, changes: ShareChanges) -> None:
@@ -464,26 +464,26 @@ class MasterServer:
         return present
 
     # -- naming gone streams on which nothing of this master runs -------------------------------
-    def released_streams(self) -> dict[str, int]:
-        """Nodes whose stream is down and where this master holds no share and runs nothing (no
-        decode lease, no prefill in flight, no abandoned request the engine may still run: see
-        RELEASE_ABORT_MARGIN_S), each with the id of that stream. It places nothing there until a new
-        stream brings a new grant, so its agent may hand the slots on at once."""
+    def released_streams(self) -> dict[str, dict[str, int]]:
+        """Nodes whose stream is down and where this master holds no share, each with the id of that
+        stream and the slots its requests there still run (decode leases; prefills on a prefill
+        node). It places nothing there until a new stream brings a new grant, so its agent may hand
+        on at once what it held beyond them, and the rest as they end. Not a node where a request it
+        abandoned may still run in the engine (RELEASE_ABORT_MARGIN_S): it cannot count that one."""
         self.registry.flush()  # admission must already hold no share there
         router = self.pipeline.router
-        out: dict[str, int] = {}
+        out: dict[str, dict[str, int]] = {}
         for node_id in self.registry.disconnected():
             node = self.registry.nodes.get(node_id)
             if node is None or not node.stream_id:
                 continue  # an agent of an earlier release names no stream
             if (
                 self.admission.share_on(node_id)
-                or self.admission.active_on(node_id)
-                or router.prefill_in_flight.get(node_id, 0)
                 or self.admission.unfinished_end_at(node_id) >= node.heard_at - RELEASE_ABORT_MARGIN_S
             ):
                 continue
-            out[node_id] = node.stream_id
+            running = self.admission.active_on(node_id) + router.prefill_in_flight.get(node_id, 0)
+            out[node_id] = {"stream": node.stream_id, "running": running}
         return out
 
     async def _release_loop(self) -> None:
@@ -504,7 +504,7 @@ class MasterServer:
                 continue
             outage.recovered()
             if want.keys() - self._released.keys():
-                log.info("released in etcd: streams of %s (nothing of this master runs there)", sorted(want))
+                log.info("released in etcd: the lost streams of %s", sorted(want))
             self._released = want
 
     def _on_agent_engine(self, node_id: str, down: bool) -> None:

@@ -133,8 +133,9 @@ class SimConfig:
     # earlier releases, which revoke with requests still running and say nothing in the key.
     drained_keys: bool = True
     # Masters of this release name a node whose stream they lost in their key ("released") once they
-    # hold no share and run nothing there (pdmaster.server._release_loop, every 0.1 s); the agent then
-    # frees their slots at once (Slicer.master_released). False: as masters of earlier releases.
+    # hold no share there, with the slots their leases there still run (pdmaster.server._release_loop,
+    # every 0.1 s); the agent frees the rest at once (Slicer.master_released). False: as masters of
+    # earlier releases.
     released_keys: bool = False
     # Masters started at the beginning (default: all of ``masters``); the others start by churn.
     start_masters: tuple[str, ...] | None = None
@@ -196,7 +197,8 @@ class SimAgent:
     polled: list[Link] | None = None  # the links asked before a bracketed sample, until it is taken
     closing: bool = False  # waiting end_seen_s to close a sample's bracket: no new sample until then
     starting: bool = False  # waiting start_seen_s after the opening Acks: no new sample until then
-    released_seen: dict[str, int] = field(default_factory=dict)  # "released" in each master's key, as read
+    # "released" in each master's key for this node, as read: (stream id, slots running)
+    released_seen: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -220,7 +222,7 @@ class SimMaster:
     unfinished_on: dict[str, int] = field(default_factory=dict)
     decoding_on: dict[str, int] = field(default_factory=dict)
     waiting_on: dict[str, int] = field(default_factory=dict)
-    released: dict[str, int] = field(default_factory=dict)  # node -> stream id named in its key
+    released: dict[str, tuple[int, int]] = field(default_factory=dict)  # node -> (stream id, running)
 
     def engine_reset(self) -> None:
         """The process is gone, or starts afresh: the engines dropped its requests."""
@@ -713,23 +715,24 @@ class ProtocolSim:
 
     def _master_release(self, m: SimMaster) -> None:
         """As PDMaster.released_streams and _release_loop: name the nodes whose stream is down and
-        where it holds no share and runs nothing; each node's agent reads the put by its watch."""
+        where it holds no share, with the slots its leases there run; each node's agent reads the put
+        by its watch."""
         assert m.core is not None
-        want: dict[str, int] = {}
+        want: dict[str, tuple[int, int]] = {}
         for node in m.registry.disconnected():
             n = m.registry.nodes.get(node)
-            if n is None or not n.stream_id or m.core.share_on(node) or m.core.active_on(node):
+            if n is None or not n.stream_id or m.core.share_on(node):
                 continue
-            want[node] = n.stream_id
+            want[node] = (n.stream_id, m.core.active_on(node))
         if want == m.released:
             return
         new = {k: v for k, v in want.items() if m.released.get(k) != v}
         m.released = want
-        for node, sid in sorted(new.items()):
+        for node, word in sorted(new.items()):
             a = self.agents[node]
             lo, hi = self.cfg.watch_delay_s
             a.watch_last = max(a.watch_last, self.now + self.rng.uniform(lo, hi))
-            self.at(a.watch_last, lambda a=a, sid=sid, inc=a.inc: self.agent_released(a, m.mid, sid, inc))  # type: ignore[misc]
+            self.at(a.watch_last, lambda a=a, w=word, inc=a.inc: self.agent_released(a, m.mid, w, inc))  # type: ignore[misc]
 
     def master_crash(self, m: SimMaster) -> None:
         m.alive = False
@@ -1042,8 +1045,11 @@ class ProtocolSim:
         if link.up:
             link.up = False
             changed = a.slicer.stream_down(s.master, self.now, self.time_ns())
-            if a.released_seen.get(s.master) == s.sid and a.slicer.master_released(
-                s.master, s.sid, self.now, self.time_ns()
+            seen = a.released_seen.get(s.master)
+            if (
+                seen is not None
+                and seen[0] == s.sid
+                and a.slicer.master_released(s.master, s.sid, self.now, self.time_ns(), seen[1])
             ):  # the master's key named it first
                 self.stats.released += 1
                 changed = True
@@ -1054,12 +1060,12 @@ class ProtocolSim:
         self.after(link.backoff, lambda: self.agent_connect(a, link))
         link.backoff = min(link.backoff * 2, 1.0)
 
-    def agent_released(self, a: SimAgent, mid: str, sid: int, inc: int) -> None:
-        """The agent's watch brings a put of the master's key that names stream ``sid`` released."""
+    def agent_released(self, a: SimAgent, mid: str, word: tuple[int, int], inc: int) -> None:
+        """The agent's watch brings a put of the master's key that names a stream released."""
         if not a.alive or a.slicer is None or a.inc != inc:
             return
-        a.released_seen[mid] = sid
-        if a.slicer.master_released(mid, sid, self.now, self.time_ns()):
+        a.released_seen[mid] = word
+        if a.slicer.master_released(mid, word[0], self.now, self.time_ns(), word[1]):
             self.stats.released += 1
             self._changed(a)
 

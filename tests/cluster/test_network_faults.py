@@ -74,8 +74,8 @@ def check(result: ScenarioResult) -> None:
     )
 
 
-# A master cut from an agent while both reach etcd names the lost stream "released" in its key once its
-# last request there ended, and the agent frees its slots on that word (not on an engine sample).
+# A master cut from an agent while both reach etcd names the lost stream "released" in its key with the
+# slots its requests there still run, and the agent frees the rest on that word (not on an engine sample).
 RELEASES = {
     "master_some_agents_cut": ("m1", ["d1"]),
     "one_agent_one_master_cut": ("m2", ["d2"]),

@@ -757,3 +757,18 @@ def test_a_returning_master_is_granted_the_leases_it_still_runs_when_nothing_is_
     s.on_ack("b", s.epoch, 2, 0, 4.1, 14)
     assert s.snapshot()["orphans"] == {}
     assert dict(s.shares) == {"a": 2, "b": 2}
+
+
+def test_a_released_stream_with_leases_still_running_frees_the_rest_and_then_them_as_they_end() -> None:
+    """b's key names its lost stream with the slots its leases here still run: the agent frees what b
+    held beyond them at once, then each slot as a later word says it ended; a word that says no less
+    changes nothing."""
+    s = _cut_off_b_with_a_stream(77)
+    assert s.master_released("b", 77, 2.5, 12, running=3)
+    assert s.snapshot()["orphans"] == {"b": 3} and s.share_for("a") == 5
+    assert "b" not in s.members(2.5)
+    assert not s.master_released("b", 77, 2.6, 13, running=3)
+    assert s.master_released("b", 77, 2.7, 14, running=1)
+    assert s.snapshot()["orphans"] == {"b": 1} and s.share_for("a") == 7
+    assert s.master_released("b", 77, 2.9, 15, running=0)
+    assert dict(s.shares) == {"a": 8} and s.snapshot()["orphans"] == {}
