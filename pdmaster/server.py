@@ -470,10 +470,13 @@ class MasterServer:
         node). It places nothing there until a new stream brings a new grant, so its agent may hand
         on at once what it held beyond them, and the rest as they end. Not a node where a request it
         abandoned may still run in the engine (RELEASE_ABORT_MARGIN_S): it cannot count that one."""
+        down = self.registry.disconnected()
+        if not down:
+            return {}
         self.registry.flush()  # admission must already hold no share there
         router = self.pipeline.router
         out: dict[str, dict[str, int]] = {}
-        for node_id in self.registry.disconnected():
+        for node_id in down:
             node = self.registry.nodes.get(node_id)
             if node is None or not node.stream_id:
                 continue  # an agent of an earlier release names no stream
