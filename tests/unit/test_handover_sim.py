@@ -328,10 +328,11 @@ def test_released_streams_free_slots_at_once_and_keep_strict_handover_exact(
     policy: str, seeds: range
 ) -> None:
     """Masters of this release name a node whose stream they lost in their etcd key once they hold no
-    share there, with the slots their leases there still run, and the agent frees the rest on that word
-    (short leases, resets, partitions, crashes, joins and leaves). The first version accepted a word that came in after the
-    agent had opened the next stream with the master's grant of the moment: 9 of seeds 0-199 overshot
-    under the even split, 12 under demand shares; the word now names the last stream opened."""
+    share there, with the slots their leases there still run, and the agent frees the rest on that
+    word (short leases, resets, partitions, crashes, joins and leaves). The first version accepted a
+    word that came in after the agent had opened the next stream with the master's grant of the
+    moment: 9 of seeds 0-199 overshot under the even split, 12 under demand shares; the word now
+    names the last stream opened."""
     released = 0
     for seed in seeds:
         sim = ProtocolSim(dataclasses.replace(_config(policy), **THIS_RELEASE), seed)
