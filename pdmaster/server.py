@@ -61,9 +61,10 @@ FORGET_POLL_S = 1.0
 KEY_CHECK_S = 10.0
 # More keys than this due in one pass: one range read of nodes/ instead of one read each.
 KEY_CHECK_MAX_GETS = 16
-# While a node's stream is down: how often the master looks whether its last request there ended, to
-# name the stream in its etcd key ("released"); the node's agent then frees its slots at once instead
-# of waiting for engine samples, which short requests under load rarely let prove anything.
+# While a node's stream is down: how often the master looks at what it still runs there, to name the
+# stream in its etcd key ("released"); the node's agent then frees the rest at once instead of waiting
+# for engine samples, which short requests under load rarely let prove anything. While every stream is
+# up the loop sleeps until one closes.
 RELEASE_POLL_S = 0.1
 # A request the master abandoned (client gone, engine error, timeout) may run on in the engine: its
 # cancellation reaches the engine only over a working link. One abandoned at least this long before
@@ -278,6 +279,7 @@ class MasterServer:
         self._release_task: asyncio.Task[None] | None = None
         # node -> {"stream": Register.stream_id of its gone stream, "running": slots}, as in the key
         self._released: dict[str, dict[str, int]] = {}
+        self._stream_closed = asyncio.Event()  # wakes _release_loop, which sleeps while every stream is up
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _on_shares(self, changes: ShareChanges) -> None:
@@ -383,6 +385,7 @@ class MasterServer:
     # -- forgetting nodes that are gone ---------------------------------------------------------
     def _node_closed(self, node_id: str) -> None:
         """A node's stream ended: forget it at once if it said Leaving and nothing of ours runs there."""
+        self._stream_closed.set()
         self._try_forget(node_id)
 
     def _try_forget(self, node_id: str) -> bool:
@@ -492,6 +495,9 @@ class MasterServer:
     async def _release_loop(self) -> None:
         outage = Outage(log, "naming released streams in this master's etcd key", level=logging.INFO)
         while True:
+            if not self._released and not self.registry.disconnected():
+                self._stream_closed.clear()
+                await self._stream_closed.wait()  # nothing to name until a stream closes
             await asyncio.sleep(RELEASE_POLL_S)
             if self.registration is None or self.lifecycle.draining:
                 continue
