@@ -379,14 +379,6 @@ class Slicer:
             return False
         first = view.released is None
         view.released = running
-        if view.gone_at is not None:
-            # Its address refused us (a firewall's reset, not a dead process): it wrote its key, so it
-            # lives and its requests run on. Only its word and bracketed samples free its slots now,
-            # not the live masters' acked counts as for a master whose requests died with it.
-            view.gone_at = None
-            o = self._ho.orphans.get(master_id)
-            if o is not None:
-                o.gone = False
         if first:
             self._recompute(now, time_ns)  # it leaves the split (it may still be in its grace)
         if self._ho.release(master_id, running):

@@ -772,18 +772,3 @@ def test_a_released_stream_with_leases_still_running_frees_the_rest_and_then_the
     assert s.snapshot()["orphans"] == {"b": 1} and s.share_for("a") == 7
     assert s.master_released("b", 77, 2.9, 15, running=0)
     assert dict(s.shares) == {"a": 8} and s.snapshot()["orphans"] == {}
-
-
-def test_a_master_that_names_its_stream_after_its_address_refused_us_is_alive_not_gone() -> None:
-    """A reset from b's address made it look gone (its requests cancelled with its process), and then
-    its key named the lost stream: b lives, behind a firewall that rejects, and its 3 leases run on.
-    A sample is no longer set against a's acked count (4, one lease ago: a runs 3) as for a gone
-    master, which would leave b 6 - 4 = 2 of the 3 slots it runs: only the word frees b's slots."""
-    s = _cut_off_b_with_a_stream(77)
-    assert s.master_gone("b", 2.0, 12)
-    assert s.master_released("b", 77, 2.1, 13, running=3)
-    assert s.snapshot()["orphans"] == {"b": 3}
-    s.on_probe(6, 2.5, 2.6, 14)
-    assert s.snapshot()["orphans"] == {"b": 3}
-    assert s.master_released("b", 77, 2.7, 15, running=0)
-    assert dict(s.shares) == {"a": 8}
