@@ -12,6 +12,10 @@ Two agent configurations, each in its own cluster:
   been down for 1 s, so the share moves as soon as the stream breaks plus the grace.
 * ``stream-fast``: the same with ``--handover fast``: the dead master's slots move at once instead
   of waiting for an engine sample that shows its requests ended (strict handover, the default).
+* ``stream-no-gone-on-refusal``: the defaults with ``--no-gone-on-refusal``: the refused connection to
+  the killed master's address proves nothing (for networks whose firewalls reject rather than drop),
+  so its share moves after the grace, once engine samples bracketed by the survivor's Acks show its
+  requests ended, or when its key expires.
 * ``lease-only``: ``--grace 1000000``: stream-based exclusion is off in effect; the share moves
   only when the dead master's etcd key goes away with its lease (TTL 5 s).
 
@@ -39,7 +43,12 @@ from pdcoord.dev.launcher import ProcessGroup
 from pdcoord.dev.loadgen import percentile
 
 FLEET = {"p1": ("prefill", 64), "d1": ("decode", 32), "d2": ("decode", 32)}
-MODES = {"stream": {}, "stream-fast": {"handover": "fast"}, "lease-only": {"grace": 1_000_000}}
+MODES = {
+    "stream": {},
+    "stream-fast": {"handover": "fast"},
+    "stream-no-gone-on-refusal": {"no_gone_on_refusal": True},
+    "lease-only": {"grace": 1_000_000},
+}
 
 
 def holds_all(c: LocalCluster, master: str, caps: dict[str, int]) -> bool:

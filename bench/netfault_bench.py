@@ -38,7 +38,7 @@ from peers import ROOT, environment, write_json
 sys.path.insert(0, str(ROOT))
 
 from tests.cluster import netfault
-from tests.cluster.netfault import SCENARIOS, fleet_in_namespaces, run_scenario
+from tests.cluster.netfault import HAZARDS, SCENARIOS, fleet_in_namespaces, run_scenario
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -65,7 +65,12 @@ def main() -> None:
         "--tokens", type=_range, default=(12, 20), help="tokens per request, LO-HI (default 12-20)"
     )
     p.add_argument("--users", type=int, default=20, help="closed-loop clients (default 20)")
-    p.add_argument("--scenario", action="append", choices=list(SCENARIOS), help="only these (repeatable)")
+    p.add_argument(
+        "--scenario",
+        action="append",
+        choices=[*SCENARIOS, *HAZARDS],
+        help="only these (repeatable; the hazards run only when named)",
+    )
     p.add_argument("--orphan-timeout", type=float, default=None, help="the agents' --orphan-timeout")
     p.add_argument("--out", default="netfault.json", help="file name under bench/results")
     args = p.parse_args()
@@ -82,7 +87,7 @@ def main() -> None:
             fleet_in_namespaces(tmp, f"netfault-bench-{run}", agent_extra=agent_extra) as fleet,
         ):
             for name in names:
-                what, apply = SCENARIOS[name]
+                what, apply = {**SCENARIOS, **HAZARDS}[name]
                 result = run_scenario(
                     fleet, name, what, apply, cut_s=args.cut, users=args.users, tokens=args.tokens
                 )

@@ -138,6 +138,11 @@ class AgentConfig:
     health_timeout: float = 3.0  # SGLang's /health takes at least 1 s
     health_failures: int = 3
     health_successes: int = 2
+    # A master whose address refuses connections after its stream broke is taken for a dead process
+    # (it leaves the split at once; its slots are set against the acked counts): SIGKILL failover in
+    # a fraction of a second. False (--no-gone-on-refusal): a refusal proves nothing, as behind a
+    # firewall that rejects (not drops) traffic between agents and live masters.
+    gone_on_refusal: bool = True
 
 
 @dataclass
@@ -538,7 +543,7 @@ class NodeAgent:
                     if changed:
                         self._changed()
                 self._kick.set()  # the grace deadline may have moved
-            if was_up and (link.gone_check is None or link.gone_check.done()):
+            if was_up and self.cfg.gone_on_refusal and (link.gone_check is None or link.gone_check.done()):
                 # Beside the reconnects, not before them: a live master's stream comes back as
                 # soon as it can, while the tries (half a second in all) find a dead one.
                 link.gone_check = asyncio.create_task(self._check_gone(link), name=f"gone-{link.master_id}")
@@ -810,6 +815,8 @@ class NodeAgent:
             "handover": self.slicer.snapshot(),
             # how long a departed master's slots wait for engine samples (strict handover)
             "peer_detect_s": self.slicer.peer_detect_s,
+            # a master whose address refuses connections is taken for a dead process (--no-gone-on-refusal)
+            "gone_on_refusal": self.cfg.gone_on_refusal,
             "masters": {
                 mid: {
                     "address": link.address,

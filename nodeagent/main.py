@@ -140,6 +140,14 @@ def build_parser() -> EnvArgumentParser:
         help="seconds a master's stream may be down before its share moves to the others (a master "
         "whose address refuses connections leaves at once)",
     )
+    g.add_argument(
+        "--no-gone-on-refusal",
+        action="store_true",
+        help="do not take a master whose address refuses connections for a dead process: for networks "
+        "whose firewalls reject (not drop) traffic between agents and live masters, where a live master "
+        "could still place work on slots handed on; a killed master's share then moves after --grace "
+        "and engine samples, not at once",
+    )
     g = p.add_argument_group("shares")
     g.add_argument(
         "--handover",
@@ -287,6 +295,7 @@ async def _run(args: argparse.Namespace) -> int:
         if args.no_load_probe
         else ((args.metrics_url,) if args.metrics_url else load_signal_urls(args.endpoint)),
         health_check=not args.no_health_check,
+        gone_on_refusal=not args.no_gone_on_refusal,
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,
         health_failures=args.health_failures,

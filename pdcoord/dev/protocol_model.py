@@ -137,6 +137,13 @@ class SimConfig:
     # every 0.1 s); the agent frees the rest at once (Slicer.master_released). False: as masters of
     # earlier releases.
     released_keys: bool = False
+    # Faults that also include "reject": a link whose packets are answered with resets for a few
+    # seconds (a firewall that rejects rather than drops), so that the master's address refuses the
+    # agent's connections while the master lives and goes on placing work until it notices.
+    reject_faults: bool = False
+    # The agent takes a refused connection for a dead master (nodeagent --gone-on-refusal, the
+    # default); False: --no-gone-on-refusal, a refusal proves nothing and the grace applies.
+    gone_on_refusal: bool = True
     # Masters started at the beginning (default: all of ``masters``); the others start by churn.
     start_masters: tuple[str, ...] | None = None
     # Scheduled churn after the warm-up: (time, "join" | "drain" | "die", master), time in seconds
@@ -274,6 +281,7 @@ class ProtocolSim:
         self.masters = {m: SimMaster(m) for m in cfg.masters}
         self.etcd: set[str] = set()
         self.drained: set[str] = set()  # masters whose key said "drained" as it went (drained_keys)
+        self.rejecting: dict[tuple[str, str], float] = {}  # (node, master) -> resets until then
         self.measure_from = float("inf")  # set when the stable phase starts
         self._last_t = 0.0
         self.faults_on = True
@@ -443,6 +451,8 @@ class ProtocolSim:
         if not self.faults_on:
             return
         kinds = ["reset", "partition", "master_crash", "master_leave", "agent_crash", "master_join"]
+        if self.cfg.reject_faults:
+            kinds.append("reject")
         kind = self.rng.choice(kinds)
         self.stats.faults[kind] = self.stats.faults.get(kind, 0) + 1
         getattr(self, "fault_" + kind)()
@@ -470,6 +480,22 @@ class ProtocolSim:
 
     def fault_partition(self) -> None:
         self.fault_reset(partition=True)
+
+    def fault_reject(self) -> None:
+        """A link answers with resets for a while: both ends notice when they next send (as a
+        partition's keep-alives), and the master's address refuses the agent meanwhile."""
+        streams = self._open_streams()
+        if not streams:
+            return
+        s = self.rng.choice(streams)
+        self.rejecting[(s.node, s.master)] = self.now + self.rng.uniform(1.0, 6.0)
+        s.cut = True
+        self.after(self.rng.uniform(0, self.cfg.agent_detect_s), lambda: self.agent_stream_closed(s))
+        self.after(self.rng.uniform(0, self.cfg.master_detect_s), lambda: self.master_stream_closed(s))
+
+    def _refused(self, node: str, mid: str) -> bool:
+        """A connection from ``node``'s agent to the master's address is refused."""
+        return not self.masters[mid].alive or self.now < self.rejecting.get((node, mid), -math.inf)
 
     def fault_master_crash(self) -> None:
         live = [m for m in self.masters.values() if m.alive and not m.draining]
@@ -957,7 +983,7 @@ class ProtocolSim:
         if not a.alive or a.links.get(link.master) is not link or link.stream is not None:
             return
         m = self.masters[link.master]
-        if not m.alive:
+        if self._refused(a.node, m.mid):
             # Connection refused: retry with backoff.
             self.after(link.backoff, lambda: self.agent_connect(a, link))
             link.backoff = min(link.backoff * 2, 1.0)
@@ -1070,11 +1096,12 @@ class ProtocolSim:
             self._changed(a)
 
     def agent_check_gone(self, a: SimAgent, link: Link) -> None:
-        """A connection to the master's address (a round trip): refused only when its process is dead."""
+        """A connection to the master's address (a round trip): refused when its process is dead, or
+        while its link rejects (reject_faults), which the agent takes for the same."""
         if not a.alive or a.slicer is None or a.links.get(link.master) is not link or link.up:
             return
-        dead = not self.masters[link.master].alive
-        if dead and a.slicer.master_gone(link.master, self.now, self.time_ns()):
+        refused = self._refused(a.node, link.master) and self.cfg.gone_on_refusal
+        if refused and a.slicer.master_gone(link.master, self.now, self.time_ns()):
             self._changed(a)
 
     def agent_tick(self, a: SimAgent) -> None:

@@ -188,6 +188,31 @@ def test_a_killed_master_leaves_at_once_and_a_stopped_one_keeps_its_share_for_th
     cluster.wait_for(lambda: cluster.share_table() == expected_share_table(["m1", "m2"], CAPS), timeout=30)
 
 
+def test_an_agent_told_not_to_trust_refusals_keeps_a_killed_masters_share_for_the_grace(
+    cluster: LocalCluster,
+) -> None:
+    """--no-gone-on-refusal: behind a firewall that rejects traffic a refusal may come from a live
+    master, so that agent leaves the killed master's share to the grace (60 s here) while the agent at
+    its defaults hands it on at once."""
+    for m in ["m1", "m2"]:
+        cluster.start_master(m, lease_ttl=60)
+    cluster.start_agent("d1", "decode", capacity=4, grace=60, no_gone_on_refusal=True)
+    cluster.start_agent("d2", "decode", capacity=4, grace=60)
+    caps = {"d1": 4, "d2": 4}
+    cluster.wait_for(lambda: cluster.share_table() == expected_share_table(["m1", "m2"], caps), timeout=15)
+    assert cluster.agents["d1"].status()["gone_on_refusal"] is False
+    assert cluster.agents["d2"].status()["gone_on_refusal"] is True
+
+    cluster.masters["m2"].proc.kill()
+    cluster.wait_for(lambda: cluster.masters["m1"].shares().get("d2") == 4, timeout=30)
+    cluster.wait_for(lambda: not cluster.agents["d1"].status()["masters"]["m2"]["connected"], timeout=30)
+    time.sleep(1.5)  # past every try of its address (the last 0.5 s after the stream broke)
+    st = cluster.agents["d1"].status()
+    assert "m2" in st["handover"]["members"], st["handover"]
+    assert cluster.masters["m1"].shares().get("d1") == 2
+    assert "refuses connections" not in cluster.agents["d1"].proc.tail(5000)
+
+
 def test_duplicate_master_and_node_ids_are_refused(cluster: LocalCluster) -> None:
     cluster.start_master("m1")
     cluster.start_agent("d1", "decode", capacity=4)

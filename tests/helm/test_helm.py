@@ -528,6 +528,7 @@ def test_agents_split_by_demand_with_strict_handover_by_default(helm: str) -> No
     for _, agent in agents:
         f = flags(agent)
         assert f["share-policy"] == "demand" and f["handover"] == "strict"
+        assert "no-gone-on-refusal" not in f
 
 
 def test_agent_options_follow_values(helm: str) -> None:
@@ -543,6 +544,7 @@ def test_agent_options_follow_values(helm: str) -> None:
                 "image": {"tag": "agent-1"},
                 "handover": "fast",
                 "sharePolicy": "static",
+                "goneOnRefusal": False,
             },
         }
     )
@@ -553,6 +555,7 @@ def test_agent_options_follow_values(helm: str) -> None:
         assert f["handover"] == "fast" and f["share-policy"] == "static"
         assert f["cluster"] == "fleet-a" and f["log-level"] == "debug" and f["lease-ttl"] == "8"
         assert "no-load-probe" in f and f["no-load-probe"] is None
+        assert "no-gone-on-refusal" in f and f["no-gone-on-refusal"] is None
         assert f["health-port"] == "9091" and port_number(agent, "agent-health") == 9091
         assert agent["image"].endswith(":agent-1")
     master = master_container(docs)

@@ -252,6 +252,9 @@ the volumes of "pdcoord.nodeagent.volumes".
     {{- end }}
     - --handover={{ default "strict" $na.handover }}
     - --share-policy={{ default "demand" $na.sharePolicy }}
+    {{- if and (hasKey $na "goneOnRefusal") (not $na.goneOnRefusal) }}
+    - --no-gone-on-refusal
+    {{- end }}
     - --health-port={{ int $na.healthPort }}
     {{- if $na.engineHealth.enabled }}
     - --health-interval={{ $na.engineHealth.interval }}
