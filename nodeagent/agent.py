@@ -543,7 +543,7 @@ class NodeAgent:
                     if changed:
                         self._changed()
                 self._kick.set()  # the grace deadline may have moved
-            if was_up and self.cfg.gone_on_refusal and (link.gone_check is None or link.gone_check.done()):
+            if was_up and (link.gone_check is None or link.gone_check.done()):
                 # Beside the reconnects, not before them: a live master's stream comes back as
                 # soon as it can, while the tries (half a second in all) find a dead one.
                 link.gone_check = asyncio.create_task(self._check_gone(link), name=f"gone-{link.master_id}")
@@ -565,6 +565,15 @@ class NodeAgent:
             if self._stopping or link.connected or link.master_id not in self.slicer.views:
                 return
             if await refuses_connections(*target):
+                if not self.cfg.gone_on_refusal:
+                    if self.slicer.master_refused(link.master_id):
+                        log.info(
+                            "master %s (%s) refuses connections: it leaves the split after the grace, "
+                            "and counts as gone once its etcd key is gone too (--no-gone-on-refusal)",
+                            link.master_id,
+                            link.address,
+                        )
+                    return
                 log.info(
                     "master %s (%s) refuses connections: its process is gone, it leaves the split now",
                     link.master_id,

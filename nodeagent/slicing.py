@@ -211,6 +211,9 @@ class MasterView:
     # stream); None: not named.
     stream_id: int = 0
     released: int | None = None
+    # Its address refused a connection since its stream went down, and the agent does not take that
+    # for death (--no-gone-on-refusal): once its etcd key is gone too, it counts as gone.
+    refused: bool = False
 
 
 @dataclass
@@ -289,6 +292,7 @@ class Slicer:
                     view.down_since = now
                     view.fresh = True
                     view.gone_at = None  # a new registration: a new process, maybe not up yet
+                    view.refused = False
         for mid, view in list(self.views.items()):
             if mid not in wanted:
                 view.in_etcd = False
@@ -318,6 +322,7 @@ class Slicer:
         view.down_since = None
         view.fresh = False
         view.gone_at = None
+        view.refused = False
         view.stream_id = stream_id
         view.released = None
         self._last_up[master_id] = now
@@ -360,6 +365,20 @@ class Slicer:
             self._ho.mark_gone(master_id)
         return self._recompute(now, time_ns)
 
+    def master_refused(self, master_id: str) -> bool:
+        """As :meth:`master_gone`, for an agent that does not take a refusal for death
+        (``--no-gone-on-refusal``: a firewall may reject for a live master). The master stays in the
+        split for its grace; only once its etcd key is gone as well (its lease expired: no process
+        renews it, or one cut from etcd that has stopped admitting for itself) do its slots count as
+        those of a gone master, set against the acked counts. Without that, engine samples under a
+        steady stream of short requests would hold a killed master's slots until ``orphan_timeout``.
+        """
+        view = self.views.get(master_id)
+        if view is None or view.connected or view.refused:
+            return False
+        view.refused = True  # (a view whose key is gone is dropped once its stream is down)
+        return True
+
     def master_released(
         self, master_id: str, stream_id: int, now: float, time_ns: int, running: int = 0
     ) -> bool:
@@ -390,7 +409,7 @@ class Slicer:
         revoked its key (it does so once its last leases ended, or as it exits). What it left
         reserved is then set against the acked counts (Handover.reconsider)."""
         view = self.views.get(master_id)
-        if view is not None and view.gone_at is not None:
+        if view is not None and (view.gone_at is not None or (view.refused and not view.in_etcd)):
             return True
         return master_id in self._draining and (view is None or not view.in_etcd)
 

@@ -1100,8 +1100,11 @@ class ProtocolSim:
         while its link rejects (reject_faults), which the agent takes for the same."""
         if not a.alive or a.slicer is None or a.links.get(link.master) is not link or link.up:
             return
-        refused = self._refused(a.node, link.master) and self.cfg.gone_on_refusal
-        if refused and a.slicer.master_gone(link.master, self.now, self.time_ns()):
+        if not self._refused(a.node, link.master):
+            return
+        if not self.cfg.gone_on_refusal:
+            a.slicer.master_refused(link.master)  # gone once its key is gone too
+        elif a.slicer.master_gone(link.master, self.now, self.time_ns()):
             self._changed(a)
 
     def agent_tick(self, a: SimAgent) -> None:

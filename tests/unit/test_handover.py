@@ -567,6 +567,33 @@ def test_a_gone_master_s_slots_follow_the_acked_counts_without_waiting_for_a_bra
     assert dict(s.shares) == {"a": 8}
 
 
+def test_without_gone_on_refusal_a_refused_master_counts_as_gone_once_its_key_is_gone_too() -> None:
+    """--no-gone-on-refusal: a refusal alone changes nothing (a firewall may reject for a live
+    master: its slots wait for a bracket), but once its etcd key is gone as well its slots follow the
+    acked counts, as a killed master's; a new stream forgets the refusal."""
+    s = started(8, ["a", "b"])
+    for m in ("a", "b"):
+        s.on_ack(m, s.epoch, 4, 0, 2.0, 10, kept=4, answers_sent_at=1.9)
+    s.stream_down("b", 2.0, 11)
+    assert s.master_refused("b")
+    assert not s.master_refused("b")  # once
+    assert "b" in s.members(2.5)  # still within its grace
+    s.tick(3.1, 12)
+    assert s.snapshot()["orphans"] == {"b": 4}
+    s.on_ack("a", s.epoch, 4, 0, 5.0, 13, kept=0)  # a's leases turned over: nothing surely ran
+    s.on_probe(4, 5.2, 5.3, 14)
+    assert s.snapshot()["orphans"] == {"b": 4}, "a refusal alone freed slots"
+    s.set_masters(["a"], 7.0, 15)  # its key expired
+    s.on_probe(4, 7.1, 7.2, 16)
+    assert dict(s.shares) == {"a": 8}
+    # A stream that comes up again means a live process: a later refusal starts over.
+    s2 = started(8, ["a", "b"])
+    s2.stream_down("b", 2.0, 11)
+    assert s2.master_refused("b")
+    s2.stream_up("b", 2.2, 12)
+    assert not s2.views["b"].refused
+
+
 def test_a_master_whose_key_said_drained_counts_as_gone_without_a_draining_ack() -> None:
     """A master whose drain ended before any of its Acks said it drains (nothing had changed to
     report) marks its key drained just before it revokes it: the agent sets what it left reserved
