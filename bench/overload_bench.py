@@ -95,6 +95,9 @@ def contender_spec(name: str) -> dict[str, Any]:
     continuations; neither: ``RECOMMENDED_TTFT_S``; ``-wait``: a pure wait target (``--target-wait``)."""
     parts = name.split("-")
     spec: dict[str, Any] = {"name": name, "skew": "skew" in parts, "routers": 1}
+    # -nu: the balancer passes a request a router refused (429, 503) to the next router at once
+    # (nginx's proxy_next_upstream http_429 http_503 non_idempotent, one more try)
+    spec["next_upstream"] = "nu" in parts
     if parts[0] == "sgl":
         spec["kind"] = "sgl"
         spec["tuned"] = "tuned" in parts
@@ -400,6 +403,8 @@ def run_one(
             ]  # fmt: skip
             if schedule:
                 cmd += ["--schedule", schedule]
+            if spec["next_upstream"] and spec["routers"] > 1:
+                cmd += ["--next-upstream", "1"]
             started = time.monotonic()
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_e * k * 3 + 600)
             wall = time.monotonic() - started

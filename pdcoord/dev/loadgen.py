@@ -459,6 +459,9 @@ class OpenLoopConfig:
     duration_s: float = 60.0  # arrivals (and later turns of sessions) start within this window
     request_timeout_s: float = 120.0  # from the first send to the end; then HANG, connection closed
     retry_refused: bool = False  # resend a 429/503 once after its Retry-After (1 s without one)
+    # The balancer passes a request that a router answered 429 or 503 to the next router at once, up to
+    # this many more (nginx: proxy_next_upstream http_429 http_503 non_idempotent; tries = 1 + this).
+    next_upstream: int = 0
     time_scale: float = 1.0
     model: str = "pdsim-model"
     connection_limit: int = 1024
@@ -485,6 +488,7 @@ class RequestRecord:
     error_type: str = ""
     retry_after_s: float | None = None
     retried: bool = False  # refused, then sent again once (retry_refused)
+    passed_on: int = 0  # refused, then passed to another router by the balancer (next_upstream)
     session_id: str | None = None
     turn: int = 0
     session_turns: int | None = None
@@ -613,6 +617,16 @@ class OpenLoop:
         deadline = time.monotonic() + self.cfg.request_timeout_s * self.cfg.time_scale
         url = target.url + "/v1/chat/completions"
         await self._attempt(http, url, data, headers, rec, deadline)
+        tried = [target]
+        while rec.status in (429, 503) and len(tried) <= self.cfg.next_upstream:
+            nxt = self.balancer.next_after(turn.session_id, tried)
+            if nxt is None or time.monotonic() >= deadline:
+                break
+            tried.append(nxt)
+            rec.passed_on += 1
+            rec.target = nxt.name
+            rec.error_code = rec.error_type = ""
+            await self._attempt(http, nxt.url + "/v1/chat/completions", data, headers, rec, deadline)
         if self.cfg.retry_refused and rec.status in (429, 503):
             wait = rec.retry_after_s if rec.retry_after_s is not None else 1.0
             if time.monotonic() + wait < deadline:
@@ -906,6 +920,13 @@ def open_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="one JSON line per request")
     p.add_argument("--request-timeout", type=float, default=120.0, help="then HANG, connection closed")
     p.add_argument("--retry-refused", action="store_true", help="resend a 429/503 once after Retry-After")
+    p.add_argument(
+        "--next-upstream",
+        type=int,
+        default=0,
+        help="the balancer passes a request answered 429/503 to the next router at once, up to this many "
+        "more (as nginx's proxy_next_upstream http_429 http_503 non_idempotent)",
+    )
     p.add_argument("--model", default="pdsim-model")
     p.add_argument("--connections", type=int, default=1024, help="connection pool limit")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO of the summary (s)")
@@ -962,7 +983,8 @@ def open_arrivals(args: argparse.Namespace) -> tuple[Iterable[Arrival], dict[str
 async def open_bench(args: argparse.Namespace) -> dict[str, Any]:
     arrivals, info = open_arrivals(args)
     cfg = OpenLoopConfig(duration_s=args.duration, request_timeout_s=args.request_timeout,
-                         retry_refused=args.retry_refused, time_scale=args.time_scale, model=args.model,
+                         retry_refused=args.retry_refused, next_upstream=args.next_upstream,
+                         time_scale=args.time_scale, model=args.model,
                          connection_limit=args.connections)  # fmt: skip
     load = OpenLoop(parse_targets(args.targets, args.weights), arrivals, cfg, args.out, seed=args.seed)
     print("START", flush=True)

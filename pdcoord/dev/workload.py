@@ -162,6 +162,16 @@ class Balancer:
         # score w / -ln(u): the largest wins with probability w / Σw, independently per session
         return max(self.targets, key=lambda t: t.weight / -math.log(_unit_hash(t.name, session_id)))
 
+    def next_after(self, session_id: str | None, tried: Sequence[Target]) -> Target | None:
+        """Where the balancer passes a request that ``tried`` refused (nginx's ``proxy_next_upstream``):
+        the session's next target by the same scores; one without a session, a weighted random other."""
+        rest = [t for t in self.targets if t not in tried]
+        if not rest:
+            return None
+        if session_id is None:
+            return self._rng.choices(rest, [t.weight for t in rest])[0]
+        return max(rest, key=lambda t: t.weight / -math.log(_unit_hash(t.name, session_id)))
+
 
 # ---------------------------------------------------------------------------- text
 

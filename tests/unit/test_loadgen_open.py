@@ -111,6 +111,14 @@ def test_sticky_balancer_is_stable_and_respects_weights() -> None:
     lb = Balancer(parse_targets("http://a:1,http://b:2"))
     even = Counter(lb.pick(None).name for _ in range(2000))
     assert 800 < even["http://a:1"] < 1200
+    # a refused request goes to the session's next target, the same one every time; none is left once
+    # every target refused
+    for s in sids[:200]:
+        first = one.pick(s)
+        nxt = one.next_after(s, [first])
+        assert nxt is not None and nxt != first and nxt == two.next_after(s, [first])
+        assert one.next_after(s, one.targets) is None
+    assert one.next_after(None, [targets[0], targets[1]]) == targets[2]
     for bad in ("1", "1,-1", "0,0"):
         with pytest.raises(ValueError):
             parse_targets("http://a:1,http://b:2", bad)
@@ -334,7 +342,7 @@ async def test_driver_outcomes_against_a_fake_server() -> None:
         sid = request.headers.get("X-Session-Id", "")
         body = await request.json()
         seen.append((sid, body))
-        if sid == "refuse" or (sid == "refuse-once" and sid not in refused_once):
+        if sid == "refuse" or (sid in ("refuse-once", "pass-on") and sid not in refused_once):
             refused_once.add(sid)
             err = {
                 "error": {"message": "full", "type": "rate_limit_error", "code": "queue_full", "param": None}
@@ -384,6 +392,13 @@ async def test_driver_outcomes_against_a_fake_server() -> None:
                 [Target("a", url)], [], OpenLoopConfig(request_timeout_s=5.0, retry_refused=True)
             )
             again = await retry.send(http, turn("refuse-once"))
+            passing = OpenLoop(
+                [Target("a", url), Target("b", url)],
+                [],
+                OpenLoopConfig(request_timeout_s=5.0, next_upstream=1),
+            )
+            passed = await passing.send(http, turn("pass-on"))
+            stuck = await passing.send(http, turn("refuse"))
             dead = OpenLoop([Target("dead", f"http://127.0.0.1:{free_port()}")], [], cfg)
             failed = await dead.send(http, turn("x"))
     finally:
@@ -407,6 +422,10 @@ async def test_driver_outcomes_against_a_fake_server() -> None:
     assert trunc.error_code == "stream_truncated" and not trunc.ok
     assert hung.status == HANG and hung.error_code == "hang" and 0.9 < hung.t_end - hung.t_send < 5
     assert again.retried and again.ok and again.t_end - again.t_send >= 0.2
+    # next_upstream: the balancer passes a refused request on at once (no Retry-After wait), once
+    assert passed.ok and passed.passed_on == 1 and not passed.retried
+    assert passed.target == passing.balancer.next_after("pass-on", [passing.balancer.pick("pass-on")]).name
+    assert stuck.status == 429 and stuck.passed_on == 1 and not stuck.ok
     assert failed.status == CONN_FAILED and failed.error_code and failed.target == "dead"
     assert [r.seq for r in load.records] == [1, 2, 3, 4, 5]
 
