@@ -145,6 +145,22 @@ class AgentConfig:
     gone_on_refusal: bool = True
 
 
+def released_word(doc: Any, node_id: str) -> tuple[int | None, int]:
+    """The stream a master's key names released on ``node_id``, and the slots its requests there
+    still run: ``(stream id, running)``, or ``(None, 0)`` when the key names none for this node.
+
+    An optional hint: anything but ``{"released": {node_id: {"stream": id > 0, "running": n >= 0}}}``
+    (bools, floats and strings included) is ignored, and the slots then wait for engine samples.
+    """
+    released = doc.get("released") if isinstance(doc, dict) else None
+    word = released.get(node_id) if isinstance(released, dict) else None
+    if isinstance(word, dict):
+        sid, n = word.get("stream"), word.get("running")
+        if type(sid) is int and type(n) is int and sid > 0 and n >= 0:
+            return sid, n
+    return None, 0
+
+
 @dataclass
 class MasterLink:
     master_id: str
@@ -320,15 +336,7 @@ class NodeAgent:
                 # bool is an int: refuse it too; a negative or absurd time is a broken key
                 if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= MAX_ADVERTISED_S:
                     raise ValueError(f"{k} {v!r}")
-            # An optional hint: what is not {"stream": id, "running": slots} is ignored (the slots
-            # then wait for engine samples).
-            released = doc.get("released")
-            word = released.get(self.cfg.node_id) if isinstance(released, dict) else None
-            ours, running = None, 0
-            if isinstance(word, dict):
-                sid, n = word.get("stream"), word.get("running")
-                if type(sid) is int and type(n) is int and sid > 0 and n >= 0:
-                    ours, running = sid, n
+            ours, running = released_word(doc, self.cfg.node_id)
             entry = MasterEntry(
                 addr,
                 **{k: float(v) for k, v in timing.items()},
