@@ -387,18 +387,21 @@ def test_soak_random_kills_and_restarts(cluster: LocalCluster, load_guard: Loads
         if not cluster.masters[m].proc.alive:
             start_master_retrying(cluster, m)
         targets.add_when_ready(m, timeout=30)
+    time.sleep(1.0)
+    results = load.stop()
+    # The agents follow demand (the default policy): an idle fleet splits evenly, so every node must come
+    # back to the exact even split once the load has stopped. (While it runs the split follows what each
+    # master asks for, which the even table need not match.)
     expected = expected_share_table(masters, CAPS)
     try:
-        cluster.wait_for(lambda: cluster.share_table() == expected, timeout=20)
+        cluster.wait_for(lambda: cluster.share_table() == expected, timeout=30)
     except TimeoutError:
         # say which node and master did not converge, and after which actions
         log_text = "\n  ".join(log)
         raise AssertionError(
-            f"shares {cluster.share_table()} != {expected} 20 s after everything was back;"
+            f"shares {cluster.share_table()} != {expected} 30 s after everything was back and idle;"
             f" actions:\n  {log_text}"
         ) from None
-    time.sleep(1.0)
-    results = load.stop()
     leases = wait_no_leases(cluster)
     queued = decode_queued(cluster)
     peaks = engine_metric(cluster, list(DECODE), "pdsim_max_running")
