@@ -599,7 +599,9 @@ class Slicer:
         """The demand split now. A master in its join window wants at least its even share; the
         others keep following what they report (an idle one still gives its slots to a busy one
         meanwhile), and while a window is open the slots nobody asks for top the others up towards
-        their even shares, so an idle node splits exactly evenly (see :func:`demand_shares`)."""
+        their even shares, so an idle node splits exactly evenly (see :func:`demand_shares`). So do
+        they on a node where no master asks for anything: the floors (one slot on each master's anchor
+        node) would otherwise tilt an idle node's split by a slot or two."""
         hs = self._ho.holders
         demands = {m: (hs[m].demand if m in hs else 0) for m in members}
         new = [m for m in members if now < self._joined.get(m, now) + self.join_prior_s]
@@ -607,7 +609,10 @@ class Slicer:
             even = slice_shares(self.capacity, members, self.node_id)
             for m in new:
                 demands[m] = max(demands[m], even[m])
-        return demand_shares(self.capacity, demands, self.node_id, self._floors(members), top_up=bool(new))
+        idle = not any(demands.values())
+        return demand_shares(
+            self.capacity, demands, self.node_id, self._floors(members), top_up=bool(new) or idle
+        )
 
     def _floors(self, members: tuple[str, ...]) -> dict[str, int]:
         """Each member's floor: what its Acks ask to keep here (floor_slots), else ``--share-floor``."""
@@ -624,11 +629,15 @@ class Slicer:
         or slots that a master holds but does not use (nothing of it queued, fewer leases running
         than its target) should go to a master whose requests wait for them. On small engines the
         hysteresis is a large part of a node, and such slots would stay idle until the demand moved
-        further."""
+        further. And a node where nobody asks for anything goes back to its even split."""
         t = self._targets
         if any(t.get(m, 0) == 0 < ideal[m] for m in members):
             return True
         hs = self._ho.holders
+        if all(hs[m].demand == 0 for m in members if m in hs) and any(
+            t.get(m, 0) != ideal[m] for m in members
+        ):
+            return True  # an idle node goes back to its even split, however small the move
         waiting = idle = False
         for m in members:
             h = hs.get(m)

@@ -660,6 +660,33 @@ def test_an_ack_s_floor_slots_replace_the_share_floor_for_that_master() -> None:
     assert dict(s.shares) == dict(s.targets)
 
 
+def test_an_idle_node_goes_back_to_its_even_split_despite_anchored_floors_and_the_hysteresis() -> None:
+    """Anchored floors (1 here for a and c, 0 for b) used to tilt an idle node's split (3/1/2 of 6),
+    and a loaded split one slot off the even one stayed there under the hysteresis once the load
+    stopped. A node where nobody asks for anything splits evenly."""
+    s = started(6, ["a", "b", "c"], policy="demand", rebalance_interval=1.0, rebalance_hysteresis=2)
+    t = s.join_prior_s
+    floors = {"a": 1, "b": 0, "c": 1}
+    demand = {"a": (3, 4), "b": (1, 0), "c": (2, 0)}  # (active, wanted): a busy, b and c little
+    for k in range(6):
+        s.tick(t + 1.0 + k, 11 + k)
+        for m in ("a", "b", "c"):
+            active, wanted = demand[m]
+            s.on_ack(
+                m, s.epoch, min(active, s.shares.get(m, 0)), wanted, t + 1.1 + k, 30 + k, floor=floors[m]
+            )
+    assert dict(s.targets) != {"a": 2, "b": 2, "c": 2}
+    now = t + 10.0
+    for m in ("a", "b", "c"):  # the load stops
+        s.on_ack(m, s.epoch, 0, 0, now, 60, floor=floors[m])
+    for k in range(4):
+        s.tick(now + 1.0 + k, 61 + k)
+        for m in ("a", "b", "c"):
+            s.on_ack(m, s.epoch, 0, 0, now + 1.1 + k, 70 + k, floor=floors[m])
+    assert dict(s.targets) == {"a": 2, "b": 2, "c": 2}
+    assert dict(s.shares) == dict(s.targets)
+
+
 def test_a_master_with_nothing_here_that_should_have_something_is_not_held_by_the_hysteresis() -> None:
     """A master's anchor moved here (its floor became 1) or its queue asks: from 0 to 1 slot is below
     the hysteresis, but a master at 0 cannot admit anything here, so the split moves at the next
