@@ -145,8 +145,8 @@ def build_parser() -> EnvArgumentParser:
         action="store_true",
         help="do not take a master whose address refuses connections for a dead process: for networks "
         "whose firewalls reject (not drop) traffic between agents and live masters, where a live master "
-        "could still place work on slots handed on; a killed master's share then moves after --grace "
-        "and engine samples, not at once",
+        "could still place work on slots handed on; a refusal then counts only once the master's etcd "
+        "key has expired too, so a killed master's share moves after the lease TTL, not at once",
     )
     g = p.add_argument_group("shares")
     g.add_argument(

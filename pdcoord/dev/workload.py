@@ -159,8 +159,7 @@ class Balancer:
     def pick(self, session_id: str | None) -> Target:
         if session_id is None:
             return self._rng.choices(self.targets, self._weights)[0]
-        # score w / -ln(u): the largest wins with probability w / Σw, independently per session
-        return max(self.targets, key=lambda t: t.weight / -math.log(_unit_hash(t.name, session_id)))
+        return max(self.targets, key=lambda t: _score(t, session_id))
 
     def next_after(self, session_id: str | None, tried: Sequence[Target]) -> Target | None:
         """Where the balancer passes a request that ``tried`` refused (nginx's ``proxy_next_upstream``):
@@ -170,7 +169,13 @@ class Balancer:
             return None
         if session_id is None:
             return self._rng.choices(rest, [t.weight for t in rest])[0]
-        return max(rest, key=lambda t: t.weight / -math.log(_unit_hash(t.name, session_id)))
+        return max(rest, key=lambda t: _score(t, session_id))
+
+
+def _score(t: Target, session_id: str) -> float:
+    """Weighted rendezvous score w / -ln(u): the largest wins with probability w / Σw, independently
+    per session."""
+    return t.weight / -math.log(_unit_hash(t.name, session_id))
 
 
 # ---------------------------------------------------------------------------- text
