@@ -558,9 +558,39 @@ def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
         "decode_stranded_while_queued_share": (
             round(sum(stranded) / len(busy), 3) if busy and "masters" in run["samples"][0] else None
         ),
+        "per_master": per_master(run["samples"]),
         "wall_s": run["wall_s"],
         "records_file": str(Path(run["log_dir"]) / "records.jsonl"),
     }
+
+
+def per_master(samples: list[dict[str, Any]]) -> list[dict[str, float]] | None:
+    """Per pdcoord master (in start order), on average over the samples that saw every master: the
+    capacity it held, its leases, its queue, the share of time it queued, and the slots it held idle
+    with nothing queued while another master queued. None for one master or a router of another kind."""
+    n = max((len(s.get("masters", ())) for s in samples), default=0)
+    if n < 2:
+        return None
+    full = [s["masters"] for s in samples if len(s.get("masters", ())) == n]
+
+    def mean(values: list[float]) -> float:
+        return round(sum(values) / len(full), 2)
+
+    out = []
+    for i in range(n):
+        idle = [
+            max(0.0, ms[i][0] - ms[i][1])
+            for ms in full
+            if ms[i][2] == 0 and any(ms[j][2] > 0 for j in range(n) if j != i)
+        ]
+        out.append({
+            "capacity": mean([ms[i][0] for ms in full]),
+            "active": mean([ms[i][1] for ms in full]),
+            "queued": mean([ms[i][2] for ms in full]),
+            "time_queueing": mean([1.0 if ms[i][2] > 0 else 0.0 for ms in full]),
+            "idle_while_another_queues": mean(idle),
+        })  # fmt: skip
+    return out
 
 
 def burst_series(run: dict[str, Any], k: float, window_e: float = 5.0) -> dict[str, Any]:

@@ -861,28 +861,26 @@ class Fleet:
     def wait_exact(self, timeout: float) -> float:
         return self.c.wait_for(self.exact, timeout, interval=0.05)
 
-    def restart_agent(self, node: str, timeout: float = 60.0, **flags: Any) -> None:
-        """Start ``node``'s agent again with the fleet's flags and ``flags`` (its engine stays), and
-        wait for the exact split."""
+    def restart_agent(self, node: str, extra: dict[str, Any], timeout: float = 60.0) -> None:
+        """Start ``node``'s agent again with the flags ``extra`` (its engine stays), and wait for the
+        exact split."""
         old = self.c.agents[node]
         old.proc.terminate()
-        extra = {**old.extra, **flags}
-        for k in AGENT_FLAG_KEYS:
-            if k not in flags:
-                extra.pop(k, None)
         self.c.start_agent(node, old.role, endpoint=old.endpoint, capacity=old.capacity, **extra)
         self.wait_exact(timeout)
 
     @contextlib.contextmanager
     def agent_flags(self, flags: dict[str, dict[str, Any]]) -> Iterator[None]:
-        """These agents run with these flags inside the block (restarted before and after)."""
+        """These agents run with these flags added inside the block (restarted before, and after with
+        the flags they had)."""
+        before = {node: dict(self.c.agents[node].extra) for node in flags}
         for node, f in flags.items():
-            self.restart_agent(node, **f)
+            self.restart_agent(node, {**before[node], **f})
         try:
             yield
         finally:
-            for node in flags:
-                self.restart_agent(node)
+            for node, extra in before.items():
+                self.restart_agent(node, extra)
 
     def view(self) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
         """Per live master, from one ``/admission`` each: node -> effective share, node -> active slots."""
@@ -1173,7 +1171,6 @@ def slow_etcd(fleet: Fleet, delay_ms: float = 300.0, jitter_ms: float = 200.0) -
 AGENT_FLAGS: dict[str, dict[str, dict[str, Any]]] = {
     "one_agent_one_master_reject": {"d2": {"no_gone_on_refusal": True}},
 }
-AGENT_FLAG_KEYS = {"no_gone_on_refusal"}
 
 SCENARIOS: dict[str, tuple[str, Callable[[Fleet], Faulted]]] = {
     "master_etcd_cut": ("m1 cut from etcd (clients and agents reach it)", master_etcd_cut),
