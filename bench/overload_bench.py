@@ -130,6 +130,9 @@ def contender_spec(name: str) -> dict[str, Any]:
             spec["ttft"], spec["ttft_cont"] = RECOMMENDED_TTFT_S
         # -quickshares: decode agents re-split by demand every 0.25 s, by up to the whole node at once
         spec["quickshares"] = "quickshares" in parts
+        # -spill: a request a master refuses at once for its expected wait tries the other masters
+        # (--spill-peers, pdmaster/spill.py)
+        spec["spill"] = "spill" in parts
     else:
         raise SystemExit(f"--contenders: unknown contender {name!r}")
     return spec
@@ -355,6 +358,8 @@ def run_one(
                     extra["engine_protocol"] = "vllm"
                 if spec["lookahead"]:
                     extra["prefill_lookahead"] = f"{spec['lookahead']:g}"
+                if spec["spill"]:
+                    extra["spill_peers"] = str(len(ids) - 1)
                 for mid in ids:
                     masters.append(c.start_master(mid, **extra))
                 c.wait_for(lambda: c.full_capacity_held(ids, capacities), timeout=90)

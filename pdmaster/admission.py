@@ -662,6 +662,25 @@ class AdmissionCore:
         if t.sent:
             self._leave_decode(t, t.node)
 
+    def can_start_now(self, slots: int, session_id: str | None = None) -> bool:
+        """Whether a first-time request for ``slots`` would be granted at once: a node has the room,
+        nothing of its session runs or waits here, no gang holds the free slots, no pause hold. (After
+        every call nothing queued fits the free slots, so it would pass no one.)"""
+        if self._bypass:
+            return True
+        if self._holding or self._reserved or (session_id is not None and session_id in self._sessions):
+            return False
+        free, node = self._top_free()
+        return node is not None and free >= slots
+
+    def waits_for_room(self, slots: int, session_id: str | None = None) -> bool:
+        """Whether a first-time request for ``slots`` would wait here for room alone: no node has it
+        free now (or a gang holds it, or a pause hold), while nothing of its session runs or waits
+        here (a request behind its own session's turn waits for that, wherever it went)."""
+        if session_id is not None and session_id in self._sessions:
+            return False
+        return not self.can_start_now(slots)
+
     def wanted_slots(self) -> int:
         """Queued demand in slots (what the master reports to agents as ``wanted_slots``)."""
         return self._queued_slots
@@ -936,8 +955,13 @@ class AdmissionCore:
         avoid: frozenset[str] = _NO_AVOID,
         deadline: float | None = None,
         lead_s: float = 0.0,
+        at_once: bool = False,
     ) -> Ticket:
         """Ask for ``slots`` slots on one node. The ticket comes back granted, queued or rejected.
+
+        ``at_once``: granted now or refused now (``expected_wait``), never queued: a request another
+        master spilled here (pdmaster/spill.py) takes only room this master has now, and never waits
+        ahead of or beside this master's own clients.
 
         ``lead_s``: what the request will still wait after its grant before its first token; added
         to its expected wait where that is checked against its class's target (0: a pure wait target),
@@ -975,6 +999,12 @@ class AdmissionCore:
         if resubmit:
             return self._resubmit(t, now + self._waits[rc] if deadline is None else deadline)
         s = self._sessions.get(session_id) if session_id is not None else None
+        if at_once:
+            if not self.can_start_now(t.slots, session_id):
+                return self._refuse(t, EXPECTED_WAIT, self._retry_hint(0.0))
+            self._grant_new(t, self._top_free()[1])
+            self._end()
+            return t
         target = self._targets[rc]
         if target != math.inf and (wait := self._over_target(t, s, target, lead_s)) is not None:
             return self._refuse(t, EXPECTED_WAIT, self._retry_hint(wait))

@@ -146,7 +146,7 @@ class Lease:
 
 class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
     # A plain class rather than @asynccontextmanager: no generator frame kept alive per waiter.
-    __slots__ = ("_args", "_avoid", "_controller", "_deadline", "_lead_s", "_lease")
+    __slots__ = ("_args", "_at_once", "_avoid", "_controller", "_deadline", "_lead_s", "_lease")
 
     def __init__(
         self,
@@ -157,7 +157,9 @@ class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
         avoid: frozenset[str],
         deadline: float | None,
         lead_s: float = 0.0,
+        at_once: bool = False,
     ) -> None:
+        self._at_once = at_once
         self._controller = controller
         self._args = (slots, request_class, session_id)
         self._avoid = avoid
@@ -167,7 +169,11 @@ class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
 
     async def __aenter__(self) -> Lease:
         self._lease = await self._controller.acquire_lease(
-            *self._args, avoid=self._avoid, deadline=self._deadline, lead_s=self._lead_s
+            *self._args,
+            avoid=self._avoid,
+            deadline=self._deadline,
+            lead_s=self._lead_s,
+            at_once=self._at_once,
         )
         return self._lease
 
@@ -227,13 +233,15 @@ class AdmissionController:
         avoid: frozenset[str] = frozenset(),
         deadline: float | None = None,
         lead_s: float = 0.0,
+        at_once: bool = False,
     ) -> contextlib.AbstractAsyncContextManager[Lease]:
         """``async with controller.acquire(n, cls, session) as lease:`` — the lease is released on exit.
 
-        A retry passes the nodes that failed it (``avoid``) and the first lease's ``deadline``, and
-        a target that counts the prefill the request's expected ``lead_s``: see ``AdmissionCore.submit``.
+        A retry passes the nodes that failed it (``avoid``) and the first lease's ``deadline``, a
+        target that counts the prefill the request's expected ``lead_s``, and a request that takes
+        only room free now ``at_once``: see ``AdmissionCore.submit``.
         """
-        return _LeaseContext(self, slots, request_class, session_id, avoid, deadline, lead_s)
+        return _LeaseContext(self, slots, request_class, session_id, avoid, deadline, lead_s, at_once)
 
     async def acquire_lease(
         self,
@@ -244,10 +252,13 @@ class AdmissionController:
         avoid: frozenset[str] = frozenset(),
         deadline: float | None = None,
         lead_s: float = 0.0,
+        at_once: bool = False,
     ) -> Lease:
         """Wait for a lease; the caller must release it (prefer ``acquire``)."""
         core = self.core
-        t = core.submit(slots, request_class, session_id, avoid=avoid, deadline=deadline, lead_s=lead_s)
+        t = core.submit(
+            slots, request_class, session_id, avoid=avoid, deadline=deadline, lead_s=lead_s, at_once=at_once
+        )
         queued = t.state is TicketState.QUEUED
         self._apply(core.last_changes, t if queued else None)
         if queued:
@@ -320,6 +331,14 @@ class AdmissionController:
 
     def wanted_slots(self) -> int:
         return self.core.wanted_slots()
+
+    def can_start_now(self, slots: int, session_id: str | None = None) -> bool:
+        """Whether ``acquire`` would grant at once (``AdmissionCore.can_start_now``)."""
+        return self.core.can_start_now(slots, session_id)
+
+    def waits_for_room(self, slots: int, session_id: str | None = None) -> bool:
+        """``AdmissionCore.waits_for_room``."""
+        return self.core.waits_for_room(slots, session_id)
 
     def forget_node(self, node: str) -> bool:
         """Drop ``node`` from the core (``AdmissionCore.forget_node``): after the master forgot it."""

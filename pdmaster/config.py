@@ -63,6 +63,7 @@ class MasterConfig:
     # engine faults
     breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
     max_retries: int = 1
+    spill_peers: int = 0  # a request refused at once for its expected wait tries up to this many peers
     engine_connect_timeout: float = 5.0
     engine_first_byte_timeout: float = 300.0
     engine_idle_timeout: float = 120.0
@@ -136,6 +137,7 @@ class MasterConfig:
             event_loop=args.event_loop,
             breaker=_breaker(args),
             max_retries=args.max_retries,
+            spill_peers=args.spill_peers,
             engine_connect_timeout=args.engine_connect_timeout,
             engine_first_byte_timeout=args.engine_first_byte_timeout,
             engine_idle_timeout=args.engine_idle_timeout,

@@ -184,6 +184,16 @@ def build_parser() -> EnvArgumentParser:
         "tried again on another pair (response header X-Retries when it was)",
     )
     g.add_argument(
+        "--spill-peers",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="a request this master refuses at once for its expected wait (429 expected_wait, nothing "
+        "done for it yet) is sent to up to N other masters from etcd in random order, marked so that "
+        "none passes it on again; the first that takes it answers the client (default 0: off; "
+        "pdmaster/spill.py)",
+    )
+    g.add_argument(
         "--engine-connect-timeout",
         type=positive_float,
         default=5.0,

@@ -208,6 +208,11 @@ class RequestMetrics:
         self.classes = Counter(
             "pdcoord_requests_classified", "Requests by admission class", ["class"], registry=registry
         )
+        self.spilled = Counter(
+            "pdcoord_spilled_requests",
+            "Requests offered to a peer master (--spill-peers), by its answer: taken, refused, unreachable",
+            ["result"], registry=registry,
+        )  # fmt: skip
         self._per_endpoint: dict[str, EndpointMetrics] = {}
         self._per_class: dict[str, Any] = {}
 

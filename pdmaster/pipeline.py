@@ -33,6 +33,7 @@ from collections.abc import Callable, Collection, Sequence
 
 from aiohttp import web
 
+from pdmaster.admission import EXPECTED_WAIT, RequestClass
 from pdmaster.admission_controller import AdmissionController, AdmissionRejected, Lease
 from pdmaster.context import RequestContext, RequestFailed
 from pdmaster.engine import Dispatch, EngineError, EnginePool, EngineResponse
@@ -44,6 +45,7 @@ from pdmaster.prefill_time import PrefillTime
 from pdmaster.registry import Node
 from pdmaster.relay import NO_LEASE, relay_body, relay_parts_body, relay_parts_stream, relay_stream
 from pdmaster.routing import Router
+from pdmaster.spill import SPILLED_HEADER, Spill
 from pdmaster.staged_admission import StagedAdmission, StagedLease
 
 __all__ = ["RequestPipeline"]
@@ -91,7 +93,9 @@ class RequestPipeline:
         on_engine_failure: FailureListener | None = None,
         max_retries: int = 0,
         pool_factory: Callable[[], EnginePool] = EnginePool,
+        spill: Spill | None = None,
     ) -> None:
+        self.spill = spill
         self.router = router
         self.admission = admission
         self.dispatch_factory = dispatch_factory
@@ -129,14 +133,28 @@ class RequestPipeline:
     async def close(self) -> None:
         if self._pool is not None:
             await self._pool.close()
+        if self.spill is not None:
+            await self.spill.close()
 
     async def serve(self, ctx: RequestContext) -> web.StreamResponse:
         self.classify(ctx)
         self.lifecycle.enter()
         failed: frozenset[str] = frozenset()  # nodes that failed this request: never tried again for it
         deadline: float | None = None  # the first lease's admission deadline, kept by retries
+        spill = self.spill if self.spill is not None and self.spill.wanted(ctx.request) else None
         try:
             assert ctx.request_class is not None
+            if (
+                spill is not None
+                and ctx.request_class is not RequestClass.CONTINUATION
+                and self.admission.waits_for_room(ctx.parsed.slots, ctx.session_id)
+            ):
+                # It would wait here for room that a peer may have free now (pdmaster/spill.py). Not a
+                # continuation: here it goes before cold requests and finds its prefix cached.
+                spilled = await spill.forward(ctx.request, ctx.raw)
+                if spilled is not None:
+                    return spilled
+                spill = None  # the peers had no room: no second round after a refusal here
             while True:
                 if ctx.retries:
                     # Let the node table's news (a breaker that just opened) reach admission
@@ -150,6 +168,8 @@ class RequestPipeline:
                         avoid=failed,
                         deadline=deadline,
                         lead_s=self._lead(ctx),
+                        # spilled by another master: only room free now (pdmaster/spill.py)
+                        at_once=SPILLED_HEADER in ctx.request.headers,
                     ) as lease:
                         ctx.lease = lease
                         if self._staged is None and lease.node in failed:
@@ -209,6 +229,11 @@ class RequestPipeline:
                             for answer in answers:
                                 await answer.close()
                 except AdmissionRejected as exc:
+                    if exc.code == EXPECTED_WAIT and spill is not None:
+                        # refused before any work was done for it: a peer may have room now
+                        spilled = await spill.forward(ctx.request, ctx.raw)
+                        if spilled is not None:
+                            return spilled
                     raise RequestFailed(
                         exc.status, exc.message, code=exc.code, retry_after=exc.retry_after
                     ) from None

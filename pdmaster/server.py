@@ -44,6 +44,7 @@ from pdmaster.pausewatch import PauseWatch
 from pdmaster.pipeline import RequestPipeline
 from pdmaster.registry import DECODE, NodeRegistry, ShareChanges, split_changes
 from pdmaster.routing import POLICIES, Router
+from pdmaster.spill import Spill, peers_from_etcd
 from pdmaster.staged_admission import make_admission
 
 log = logging.getLogger(__name__)
@@ -248,6 +249,7 @@ class MasterServer:
         )
         self.breakers = EngineBreakers(cfg.breaker, on_change=self._on_breaker)
         self.request_metrics = RequestMetrics(self.metrics_registry)
+        self.spill = Spill(self.master_id, cfg.spill_peers, metric=self.request_metrics.spilled)
         self.pipeline = RequestPipeline(
             router=Router(self.registry, POLICIES[cfg.prefill_selection]()),
             admission=self.admission,
@@ -257,6 +259,7 @@ class MasterServer:
             breakers=self.breakers,
             on_engine_failure=self._on_engine_failure,
             max_retries=cfg.max_retries,
+            spill=self.spill,
             pool_factory=lambda: EnginePool(
                 connect_timeout_s=cfg.engine_connect_timeout,
                 first_byte_timeout_s=cfg.engine_first_byte_timeout,
@@ -724,6 +727,7 @@ class MasterServer:
             else:
                 outage.recovered()
                 self.admission.set_masters(len(kvs))
+                self.spill.peers = peers_from_etcd({kv.key: kv.value for kv in kvs}, self.master_id)
             await asyncio.sleep(MASTERS_POLL_S)
 
     async def drain(self) -> None:

@@ -193,10 +193,16 @@ class StagedAdmission(AdmissionController):
         avoid: frozenset[str] = frozenset(),
         deadline: float | None = None,
         lead_s: float = 0.0,
+        at_once: bool = False,
     ) -> contextlib.AbstractAsyncContextManager[Lease]:
         """``async with admission.acquire(...) as gate_pass``: the first stage (see the module)."""
         return _PassContext(
-            self, (slots, request_class, session_id), avoid=avoid, deadline=deadline, lead_s=lead_s
+            self,
+            (slots, request_class, session_id),
+            avoid=avoid,
+            deadline=deadline,
+            lead_s=lead_s,
+            at_once=at_once,
         )
 
     async def acquire_pass(
@@ -208,6 +214,7 @@ class StagedAdmission(AdmissionController):
         avoid: frozenset[str] = frozenset(),
         deadline: float | None = None,
         lead_s: float = 0.0,
+        at_once: bool = False,
     ) -> GatePass:
         """A gate pass, or AdmissionRejected; refused at once what the decode stage would refuse."""
         reason = self.core.refusal(slots)
@@ -225,7 +232,9 @@ class StagedAdmission(AdmissionController):
         # The gate's one node is never one a retry avoids (those are decode nodes): a retry keeps
         # its deadline, which makes it a resubmission there too.
         return GatePass(
-            await self.gate.acquire_lease(slots, request_class, session_id, deadline=deadline, lead_s=lead_s)
+            await self.gate.acquire_lease(
+                slots, request_class, session_id, deadline=deadline, lead_s=lead_s, at_once=at_once
+            )
         )
 
     async def acquire_decode(
@@ -291,6 +300,14 @@ class StagedAdmission(AdmissionController):
     def wanted_slots(self) -> int:
         assert self.gate is not None
         return self.gate.wanted_slots() + self.core.wanted_slots()
+
+    def can_start_now(self, slots: int, session_id: str | None = None) -> bool:
+        assert self.gate is not None  # the first stage is where a request waits
+        return self.gate.can_start_now(slots, session_id)
+
+    def waits_for_room(self, slots: int, session_id: str | None = None) -> bool:
+        assert self.gate is not None
+        return self.gate.waits_for_room(slots, session_id)
 
     def snapshot(self) -> dict[str, Any]:
         snap = super().snapshot()

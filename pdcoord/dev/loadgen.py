@@ -500,6 +500,7 @@ class RequestRecord:
     output_tokens: int = 0  # the usage chunk's completion_tokens, else content chunks counted
     server_class: str = ""  # X-Admission-Class (pdmaster: continuation / probable_cache_hit / cold)
     admission_wait_ms: float | None = None  # X-Admission-Wait-Ms
+    spilled_to: str = ""  # X-Spilled-To: the master that served it for the one asked (--spill-peers)
 
     @property
     def ok(self) -> bool:
@@ -661,6 +662,7 @@ class OpenLoop:
                 rec.server_class = resp.headers.get("X-Admission-Class", "")
                 wait = resp.headers.get("X-Admission-Wait-Ms")
                 rec.admission_wait_ms = float(wait) if wait else None
+                rec.spilled_to = resp.headers.get("X-Spilled-To", "")
                 if resp.status != 200:
                     raw = await resp.read()
                     rec.error_code, rec.error_type = _envelope(raw)

@@ -290,6 +290,26 @@ def test_network_policies_select_the_pods_and_ports_they_protect() -> None:
     restricted = render({**ALL_ON, "networkPolicy": {"enabled": True, "clients": clients}}, CERT_MANAGER_API)
     http = next(r for r in one(restricted, "NetworkPolicy", f"{RELEASE}-pdcoord-master")["spec"]["ingress"])
     assert http["from"] == clients
+    # masters that spill refused requests to each other reach each other's API port too
+    spilling = render(
+        {
+            **ALL_ON,
+            "networkPolicy": {"enabled": True, "clients": clients},
+            "master": {**ALL_ON["master"], "spillPeers": 2},
+        },
+        CERT_MANAGER_API,
+    )
+    http = next(r for r in one(spilling, "NetworkPolicy", f"{RELEASE}-pdcoord-master")["spec"]["ingress"])
+    assert http["from"][:-1] == clients
+    peers = http["from"][-1]["podSelector"]["matchLabels"]
+    assert (
+        peers.items()
+        <= _pod(spilling, "Deployment", f"{RELEASE}-pdcoord-master")["metadata"]["labels"].items()
+    )
+    assert (
+        "--spill-peers=2"
+        in _pod(spilling, "Deployment", f"{RELEASE}-pdcoord-master")["spec"]["containers"][0]["args"]
+    )
 
 
 # --- chart: TLS to the bundled etcd --------------------------------------------------------------

@@ -857,3 +857,37 @@ def test_forget_node_drops_its_bookkeeping_only_once_nothing_is_held_there() -> 
     core.update_shares({node: 2})  # it comes back: a fresh start
     assert core.granted_on(node) == 0 and core.in_decode_on(node) == 0
     assert core.submit(1, RequestClass.COLD).state is TicketState.GRANTED
+
+
+def test_at_once_takes_free_room_or_is_refused_never_queued() -> None:
+    """A request another master spilled here (at_once) runs now or is refused now: it never waits
+    beside this master's own clients, whatever the queue bound would allow."""
+    core = make({"d1": 2}, queue_waves=20)
+    first = core.submit(1, COLD, at_once=True)
+    assert first.state is G
+    mine = core.submit(1, COLD, "s1")
+    assert mine.state is G
+    late = core.submit(1, CONT, at_once=True)
+    assert late.state is TicketState.REJECTED and late.reason is not None
+    assert late.reason.code == "expected_wait" and late.reason.retry_after_s is not None
+    assert core.queued_requests == 0
+    core.release(first)
+    # room again, but the session has a lease running: it would wait behind it
+    assert core.submit(1, COLD, "s1", at_once=True).state is TicketState.REJECTED
+    assert core.submit(1, COLD, "s2", at_once=True).state is G
+    assert core.snapshot()["classes"]["cold"]["queued_requests"] == 0
+
+
+def test_waits_for_room_only_when_no_node_has_it_and_its_session_holds_nothing() -> None:
+    core = make({"d1": 1, "d2": 1}, queue_waves=20)
+    assert core.can_start_now(1) and not core.waits_for_room(1)
+    a = core.submit(1, COLD, "s1")
+    assert core.can_start_now(1) and not core.can_start_now(1, "s1")
+    assert not core.waits_for_room(1, "s1")  # behind its own session's turn, not for room
+    b = core.submit(1, COLD, "s2")
+    assert a.state is G and b.state is G
+    assert not core.can_start_now(1) and core.waits_for_room(1) and core.waits_for_room(1, "s3")
+    assert not core.waits_for_room(1, "s1")
+    core.release(a)
+    assert core.can_start_now(1) and not core.waits_for_room(1)
+    assert core.waits_for_room(2)  # no node has two free

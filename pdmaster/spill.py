@@ -1,0 +1,141 @@
+"""Spill: a request that would wait at this master, or that it refuses at once, is offered to peers.
+
+Each master holds part of every node and admits against its own queue and completion rate, so a
+burst that lands on one master waits or is refused there while another holds slots with nothing
+queued (four masters behind a 70/20/5/5 balancer: 1.4 of 16 slots, bench/README.md, Overload). A
+balancer that passes every 429 on cannot tell an immediate refusal from one after a wait, and sends
+the next master a request that is already late. The master can tell: with ``--spill-peers N`` a
+request that would wait here for room (``RequestPipeline.serve``: not a continuation, which goes first
+here and finds its prefix cached, nor one behind its own session's turn), or that is refused here with
+``expected_wait`` (nothing done for it yet), is offered to up to N other masters in turn, marked with
+``X-Pdcoord-Spilled``. A peer takes such a request only into room it has free now (``at_once`` in
+``AdmissionCore.submit``: it never waits beside the peer's own clients, so it cannot be late there
+for want of a slot) and never passes it on. The first answer that is not a refusal (429/503) goes
+back to the client as the peer gave it, streamed, with ``X-Spilled-To``; otherwise the request queues
+or is refused here as it would have been. The peers are the masters registered in etcd (their
+advertised HTTP addresses), read as the master already reads them to count them, tried in random
+order so that a burst spreads. The client's ``Authorization`` goes along (masters of one deployment
+share their API keys). A client that sets ``X-Pdcoord-Spilled`` itself only restricts its own request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Mapping
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import Counter
+
+log = logging.getLogger(__name__)
+
+RESULTS = ("taken", "refused", "unreachable")
+SPILLED_HEADER = "X-Pdcoord-Spilled"
+SPILLED_TO_HEADER = "X-Spilled-To"  # on the answer: the master that served it
+# Request headers a peer needs to treat the request as the client's own.
+_FORWARDED = ("Authorization", "Content-Type", "X-Session-Id", "X-Request-Id")
+# Response headers that describe the connection, not the answer: aiohttp sets its own.
+_HOP = frozenset(
+    h.lower() for h in ("Connection", "Content-Length", "Transfer-Encoding", "Keep-Alive", "Date", "Server")
+)
+
+
+def peers_from_etcd(values: Mapping[str, bytes], own_id: str) -> list[tuple[str, str]]:
+    """The other masters' ids and HTTP base URLs from their etcd keys and values (``{"http": ...}``),
+    sorted."""
+    out = []
+    for key, raw in values.items():
+        mid = key.rstrip("/").rsplit("/", 1)[-1]
+        if mid == own_id:
+            continue
+        try:
+            doc = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            continue
+        url = doc.get("http") if isinstance(doc, dict) else None
+        if isinstance(url, str) and url.startswith(("http://", "https://")):
+            out.append((mid, url.rstrip("/")))
+    return sorted(out)
+
+
+class Spill:
+    """Sends refused requests to peer masters; ``peers`` is kept current by the master."""
+
+    def __init__(
+        self, master_id: str, max_peers: int, *, timeout_s: float = 300.0, metric: Counter | None = None
+    ) -> None:
+        if max_peers < 0:
+            raise ValueError("max_peers must be >= 0")
+        self.metric = metric  # pdcoord_spilled_requests{result}
+        self.master_id = master_id
+        self.max_peers = max_peers
+        self.peers: list[tuple[str, str]] = []  # (master id, HTTP base URL)
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0, sock_read=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        # Offers to peers by result: taken (the peer answered), refused (429/503), unreachable.
+        self.results: dict[str, int] = dict.fromkeys(RESULTS, 0)
+
+    def wanted(self, request: web.Request) -> bool:
+        """Whether a refused ``request`` may go to a peer: spilling is on, there is a peer, and it did
+        not come from one."""
+        return bool(self.max_peers and self.peers) and SPILLED_HEADER not in request.headers
+
+    def _count(self, result: str) -> None:
+        self.results[result] += 1
+        if self.metric is not None:
+            self.metric.labels(result=result).inc()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout, auto_decompress=False)
+        return self._session
+
+    async def forward(self, request: web.Request, raw: bytes) -> web.StreamResponse | None:
+        """The first peer answer that is not a refusal (429/503), streamed to the client; None when
+        every peer tried refused or could not be reached (the caller sends its own refusal)."""
+        headers = {h: request.headers[h] for h in _FORWARDED if h in request.headers}
+        headers[SPILLED_HEADER] = self.master_id
+        peers = list(self.peers)
+        random.shuffle(peers)
+        for peer_id, base in peers[: self.max_peers]:
+            try:
+                resp = await self._client().post(base + request.path, data=raw, headers=headers)
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                log.info("spill to %s failed: %s", base, exc)
+                self._count("unreachable")
+                continue
+            try:
+                if resp.status in (429, 503):
+                    await resp.read()
+                    self._count("refused")
+                    continue
+                self._count("taken")
+                return await self._relay(request, resp, peer_id)
+            finally:
+                resp.release()
+        return None
+
+    @staticmethod
+    async def _relay(request: web.Request, resp: aiohttp.ClientResponse, peer_id: str) -> web.StreamResponse:
+        out = web.StreamResponse(status=resp.status, reason=resp.reason)
+        for k, v in resp.headers.items():
+            if k.lower() not in _HOP:
+                out.headers.add(k, v)
+        out.headers[SPILLED_TO_HEADER] = peer_id  # as X-Retries: the client may want to know
+        await out.prepare(request)
+        try:
+            async for chunk in resp.content.iter_any():
+                await out.write(chunk)
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            # Headers are out: the client sees the stream end early, as when an engine dies mid-answer.
+            log.info("spilled answer cut off: %s", exc)
+            return out
+        await out.write_eof()
+        return out

@@ -1,0 +1,64 @@
+"""Spill on real processes (``--spill-peers``): a master that refuses a request at once for its expected
+wait sends it to a peer master from etcd, which serves it only from room it has now; the client gets
+the peer's answer through the master it asked, and nothing else changes for it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from typing import Any
+
+import openai
+import pytest
+
+from pdcoord.dev.cluster import LocalCluster
+
+pytestmark = pytest.mark.cluster
+
+
+def _stream(client: openai.OpenAI, words: int, tokens: int) -> tuple[str, str]:
+    """('ok', the master that served it when not the one asked, else '') or (the error code, '')."""
+    try:
+        raw = client.completions.with_raw_response.create(
+            model="pdsim-model", prompt=" ".join(f"w{i}" for i in range(words)), max_tokens=tokens,
+            stream=True,
+        )  # fmt: skip
+        spilled_to = raw.headers.get("X-Spilled-To", "")
+        for _ in raw.parse():
+            pass
+        return "ok", spilled_to
+    except openai.APIStatusError as exc:
+        body = exc.body if isinstance(exc.body, dict) else {}
+        return str(body.get("code") or exc.status_code), ""
+
+
+def _granted(snapshot: dict[str, Any]) -> int:
+    return sum(by_class.get("granted", 0) for by_class in snapshot["outcomes"].values())
+
+
+def test_a_request_refused_for_its_expected_wait_is_served_by_a_peer_with_room(cluster: LocalCluster) -> None:
+    c = cluster
+    flags = {"admission_target_wait": "1.5", "admission_target_includes_prefill": True, "spill_peers": "1"}
+    m1 = c.start_master("m1", admission_queue_waves=10, **flags)
+    m2 = c.start_master("m2", **flags)
+    c.start_node("p1", "prefill", 4)
+    c.start_node("d1", "decode", 4, engine_args={"decode_base_ms": 50})  # 10 tokens: 0.5 s
+    c.wait_for(lambda: c.full_capacity_held(["m1", "m2"], {"p1": 4, "d1": 4}), timeout=30)
+    c.wait_for(lambda: m1.admission()["masters"] == 2, timeout=30)  # m1 has found its peer in etcd
+    client = openai.OpenAI(base_url=m1.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    for i in range(12):  # m1 learns its completion rate and prefill time
+        assert _stream(client, 20 + 40 * (i % 3), 10)[0] == "ok"
+    before = _granted(m2.admission())
+    # A burst at m1 alone: what m1 would make wait too long goes to m2, which takes what fits now.
+    spilled: list[str] = []
+    deadline = time.monotonic() + 120
+    while not spilled and time.monotonic() < deadline:
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            outcomes = list(pool.map(lambda _: _stream(client, 50, 10), range(30)))
+        codes = [code for code, _ in outcomes]
+        assert set(codes) <= {"ok", "expected_wait", "timeout"}, codes  # nothing else, nothing lost
+        spilled = [to for code, to in outcomes if code == "ok" and to]
+    assert spilled and set(spilled) == {"m2"}, outcomes
+    assert _granted(m2.admission()) - before >= len(spilled)
+    # m2 queued none of them: a spilled request takes room free now or is refused at once
+    assert m2.admission()["queued_requests"] == 0

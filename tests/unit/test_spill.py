@@ -1,0 +1,172 @@
+"""Spill (``--spill-peers``): a request refused at once for its expected wait goes to a peer master.
+
+Real sockets on 127.0.0.1: an origin app that refuses and spills, and peer apps standing in for the
+other masters (what a peer does with the request is the master's ordinary path, tested elsewhere).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer, make_mocked_request
+from prometheus_client import CollectorRegistry
+
+from pdmaster.metrics import RequestMetrics
+from pdmaster.spill import SPILLED_HEADER, SPILLED_TO_HEADER, Spill, peers_from_etcd
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def test_peers_are_the_other_masters_http_addresses() -> None:
+    values = {
+        "/pdcoord/c/masters/m1": json.dumps({"http": "http://10.0.0.1:8000", "grpc": "x:1"}).encode(),
+        "/pdcoord/c/masters/m2": json.dumps({"http": "http://10.0.0.2:8000/"}).encode(),
+        "/pdcoord/c/masters/m3": b"not json",
+        "/pdcoord/c/masters/m4": json.dumps({"grpc": "only:1"}).encode(),
+        "/pdcoord/c/masters/m5": json.dumps(["http://a"]).encode(),
+    }
+    assert peers_from_etcd(values, "m1") == [("m2", "http://10.0.0.2:8000")]
+    assert peers_from_etcd(values, "m9") == [("m1", "http://10.0.0.1:8000"), ("m2", "http://10.0.0.2:8000")]
+
+
+async def _serve(handler: Handler) -> TestServer:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    return server
+
+
+class Peer:
+    """A peer master that refuses (429) or answers with a streamed body, and records what it got."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.seen: list[tuple[dict[str, str], bytes]] = []
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.seen.append((dict(request.headers), await request.read()))
+        if self.status != 200:
+            return web.json_response({"error": {"code": "expected_wait"}}, status=self.status)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Peer": "yes"})
+        await resp.prepare(request)
+        for part in (b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"):
+            await resp.write(part)
+        await resp.write_eof()
+        return resp
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[list[TestServer]]:
+    started: list[TestServer] = []
+    yield started
+    for s in started:
+        await s.close()
+
+
+async def _origin(spill: Spill, servers: list[TestServer]) -> TestServer:
+    async def refuse_or_spill(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        if spill.wanted(request):
+            answer = await spill.forward(request, raw)
+            if answer is not None:
+                return answer
+        return web.json_response({"error": {"code": "expected_wait", "from": "origin"}}, status=429)
+
+    server = await _serve(refuse_or_spill)
+    servers.append(server)
+    return server
+
+
+async def test_a_refused_request_is_answered_by_the_first_peer_to_take_it(
+    servers: list[TestServer],
+) -> None:
+    full, free = Peer(429), Peer(200)
+    for p in (full, free):
+        servers.append(await _serve(p.handle))
+    spill = Spill("m1", max_peers=2)
+    spill.peers = [(f"p{i}", str(s.make_url("")).rstrip("/")) for i, s in enumerate(servers)]
+    origin = await _origin(spill, servers)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(
+            origin.make_url("/v1/chat/completions"),
+            json=body,
+            headers={"Authorization": "Bearer k", "X-Session-Id": "s1", "X-Other": "dropped"},
+        ) as resp,
+    ):
+        assert resp.status == 200
+        assert resp.headers["X-Peer"] == "yes" and resp.headers["Content-Type"] == "text/event-stream"
+        assert resp.headers[SPILLED_TO_HEADER] == "p1"  # the peer that took it
+        assert await resp.read() == b"data: one\n\ndata: two\n\ndata: [DONE]\n\n"
+    assert len(free.seen) == 1 and len(full.seen) <= 1  # random order: the full one may come first
+    headers, raw = free.seen[0]
+    assert json.loads(raw) == body
+    assert headers[SPILLED_HEADER] == "m1"
+    assert headers["Authorization"] == "Bearer k" and headers["X-Session-Id"] == "s1"
+    assert "X-Other" not in headers
+    assert spill.results == {"taken": 1, "refused": len(full.seen), "unreachable": 0}
+    await spill.close()
+
+
+async def test_every_peer_full_or_gone_gives_the_origin_s_own_refusal(servers: list[TestServer]) -> None:
+    full = Peer(503)
+    servers.append(await _serve(full.handle))
+    gone = await _serve(Peer(200).handle)
+    gone_url = str(gone.make_url("")).rstrip("/")
+    await gone.close()  # nothing listens there any more
+    registry = CollectorRegistry()
+    metric = RequestMetrics(registry).spilled
+    spill = Spill("m1", max_peers=5, metric=metric)
+    spill.peers = [("full", str(servers[0].make_url("")).rstrip("/")), ("gone", gone_url)]
+    origin = await _origin(spill, servers)
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(origin.make_url("/v1/chat/completions"), json={"x": 1}) as resp,
+    ):
+        assert resp.status == 429
+        assert (await resp.json())["error"]["from"] == "origin"
+    assert len(full.seen) == 1 and spill.results == {"taken": 0, "refused": 1, "unreachable": 1}
+    for result, n in spill.results.items():  # the same counts in /metrics
+        assert registry.get_sample_value("pdcoord_spilled_requests_total", {"result": result}) == (n or None)
+    await spill.close()
+
+
+async def test_a_spilled_request_is_never_passed_on_again(servers: list[TestServer]) -> None:
+    free = Peer(200)
+    servers.append(await _serve(free.handle))
+    spill = Spill("m2", max_peers=1)
+    spill.peers = [("m1", str(servers[0].make_url("")).rstrip("/"))]
+    origin = await _origin(spill, servers)
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(origin.make_url("/v1/chat/completions"), json={}, headers={SPILLED_HEADER: "m1"}) as resp,
+    ):
+        assert resp.status == 429
+    assert free.seen == []
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(origin.make_url("/v1/chat/completions"), json={}) as resp,
+    ):
+        assert resp.status == 200  # the same request from a client: the peer takes it
+    assert len(free.seen) == 1
+    await spill.close()
+
+
+def test_spilling_needs_the_flag_and_a_peer() -> None:
+    request = make_mocked_request("POST", "/v1/chat/completions")
+    on = Spill("m", max_peers=3)
+    assert not on.wanted(request)  # no peer known yet
+    on.peers = [("m2", "http://127.0.0.1:1")]
+    assert on.wanted(request)
+    assert not on.wanted(make_mocked_request("POST", "/v1/chat/completions", headers={SPILLED_HEADER: "m2"}))
+    off = Spill("m", max_peers=0)
+    off.peers = [("m2", "http://127.0.0.1:1")]
+    assert not off.wanted(request)
+    with pytest.raises(ValueError):
+        Spill("m", max_peers=-1)
