@@ -45,7 +45,7 @@ from pdmaster.prefill_time import PrefillTime
 from pdmaster.registry import Node
 from pdmaster.relay import NO_LEASE, relay_body, relay_parts_body, relay_parts_stream, relay_stream
 from pdmaster.routing import Router
-from pdmaster.spill import SPILLED_HEADER, Spill
+from pdmaster.spill import CACHED_HEADER, SPILLED_HEADER, Spill, parse_cached, with_cached
 from pdmaster.staged_admission import StagedAdmission, StagedLease
 
 __all__ = ["RequestPipeline"]
@@ -151,7 +151,7 @@ class RequestPipeline:
             ):
                 # It would wait here for room that a peer may have free now (pdmaster/spill.py). Not a
                 # continuation: here it goes before cold requests and finds its prefix cached.
-                spilled = await spill.forward(ctx.request, ctx.raw)
+                spilled = await spill.forward(ctx.request, ctx.raw, self._cached(ctx))
                 if spilled is not None:
                     return spilled
                 spill = None  # the peers had no room: no second round after a refusal here
@@ -231,7 +231,7 @@ class RequestPipeline:
                 except AdmissionRejected as exc:
                     if exc.code == EXPECTED_WAIT and spill is not None:
                         # refused before any work was done for it: a peer may have room now
-                        spilled = await spill.forward(ctx.request, ctx.raw)
+                        spilled = await spill.forward(ctx.request, ctx.raw, self._cached(ctx))
                         if spilled is not None:
                             return spilled
                     raise RequestFailed(
@@ -263,12 +263,19 @@ class RequestPipeline:
         if start is not None:
             pt.observe(self._uncached_blocks(ctx), time.monotonic() - start - later)
 
+    @staticmethod
+    def _cached(ctx: RequestContext) -> dict[str, int] | None:
+        return dict(ctx.estimate.matches) if ctx.estimate is not None else None
+
     # -- stages ---------------------------------------------------------------------------------
     def classify(self, ctx: RequestContext) -> None:
         parsed = ctx.parsed
         ctx.hashes, ctx.estimate = self.router.estimate(
             parsed.input_ids if parsed.input_ids is not None else parsed.prompt_text
         )
+        hint = ctx.request.headers.get(CACHED_HEADER) if SPILLED_HEADER in ctx.request.headers else None
+        if hint:  # spilled here: where the spilling master saw the prompt's prefix cached
+            ctx.estimate = with_cached(ctx.estimate, parse_cached(hint, ctx.estimate.total_blocks))
         ctx.request_class = self.admission.classify(ctx.session_id, ctx.estimate.hit_ratio)
         self.metrics.classified(ctx.request_class.name.lower())
 

@@ -14,7 +14,9 @@ for want of a slot) and never passes it on. The first answer that is not a refus
 back to the client as the peer gave it, streamed, with ``X-Spilled-To``; otherwise the request queues
 or is refused here as it would have been. The peers are the masters registered in etcd (their
 advertised HTTP addresses), read as the master already reads them to count them, tried in random
-order so that a burst spreads. The client's ``Authorization`` goes along (masters of one deployment
+order so that a burst spreads. ``X-Pdcoord-Cached`` carries what this master's prefix index knows of
+the prompt (blocks per prefill node): the peer's index has not seen this master's traffic, and without
+it routed spilled prompts as cold, away from the engine holding their prefix. The client's ``Authorization`` goes along (masters of one deployment
 share their API keys). A client that sets ``X-Pdcoord-Spilled`` itself only restricts its own request.
 """
 
@@ -29,9 +31,16 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import Counter
 
+from pdmaster.prefix_index import PrefixEstimate
+
 log = logging.getLogger(__name__)
 
 RESULTS = ("taken", "refused", "unreachable")
+# What the spilling master's prefix index knows of the prompt: "node=blocks,..." per prefill node. A
+# peer's index has not seen this master's traffic; with it the peer routes the prompt to the engine
+# that holds its prefix (and counts that prefill as short) instead of taking it for cold.
+CACHED_HEADER = "X-Pdcoord-Cached"
+MAX_CACHED_NODES = 64
 SPILLED_HEADER = "X-Pdcoord-Spilled"
 SPILLED_TO_HEADER = "X-Spilled-To"  # on the answer: the master that served it
 # Request headers a peer needs to treat the request as the client's own.
@@ -97,11 +106,17 @@ class Spill:
             self._session = aiohttp.ClientSession(timeout=self._timeout, auto_decompress=False)
         return self._session
 
-    async def forward(self, request: web.Request, raw: bytes) -> web.StreamResponse | None:
+    async def forward(
+        self, request: web.Request, raw: bytes, cached: Mapping[str, int] | None = None
+    ) -> web.StreamResponse | None:
         """The first peer answer that is not a refusal (429/503), streamed to the client; None when
-        every peer tried refused or could not be reached (the caller sends its own refusal)."""
+        every peer tried refused or could not be reached (the caller sends its own refusal).
+        ``cached``: the prompt's blocks this master's prefix index sees on each prefill node."""
         headers = {h: request.headers[h] for h in _FORWARDED if h in request.headers}
         headers[SPILLED_HEADER] = self.master_id
+        if cached:
+            top = sorted(cached.items(), key=lambda kv: -kv[1])[:MAX_CACHED_NODES]
+            headers[CACHED_HEADER] = ",".join(f"{node}={blocks}" for node, blocks in top if blocks > 0)
         peers = list(self.peers)
         random.shuffle(peers)
         for peer_id, base in peers[: self.max_peers]:
@@ -139,3 +154,26 @@ class Spill:
             return out
         await out.write_eof()
         return out
+
+
+def parse_cached(header: str, total_blocks: int) -> dict[str, int]:
+    """``X-Pdcoord-Cached`` as {node: blocks}: well-formed entries only, each at most ``total_blocks``
+    (what the prompt has), at most MAX_CACHED_NODES; anything else is ignored (it only steers routing)."""
+    out: dict[str, int] = {}
+    for item in header.split(",")[:MAX_CACHED_NODES]:
+        node, sep, blocks = item.strip().partition("=")
+        if sep and node and blocks.isdigit():
+            out[node] = min(int(blocks), total_blocks)
+    return out
+
+
+def with_cached(estimate: PrefixEstimate[str], cached: Mapping[str, int]) -> PrefixEstimate[str]:
+    """``estimate`` with what the spilling master saw cached: per node the larger of the two."""
+    matches = dict(estimate.matches)
+    for node, blocks in cached.items():
+        if blocks > matches.get(node, 0):
+            matches[node] = blocks
+    if not matches:
+        return estimate
+    best = max(sorted(matches), key=lambda n: matches[n])
+    return PrefixEstimate(estimate.total_blocks, matches, best, matches[best])

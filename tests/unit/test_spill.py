@@ -16,7 +16,16 @@ from aiohttp.test_utils import TestServer, make_mocked_request
 from prometheus_client import CollectorRegistry
 
 from pdmaster.metrics import RequestMetrics
-from pdmaster.spill import SPILLED_HEADER, SPILLED_TO_HEADER, Spill, peers_from_etcd
+from pdmaster.prefix_index import PrefixEstimate
+from pdmaster.spill import (
+    CACHED_HEADER,
+    SPILLED_HEADER,
+    SPILLED_TO_HEADER,
+    Spill,
+    parse_cached,
+    peers_from_etcd,
+    with_cached,
+)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -68,16 +77,20 @@ async def servers() -> AsyncIterator[list[TestServer]]:
         await s.close()
 
 
-async def _origin(spill: Spill, servers: list[TestServer]) -> TestServer:
+def _spilling(spill: Spill, cached: dict[str, int] | None = None) -> Handler:
     async def refuse_or_spill(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         if spill.wanted(request):
-            answer = await spill.forward(request, raw)
+            answer = await spill.forward(request, raw, cached)
             if answer is not None:
                 return answer
         return web.json_response({"error": {"code": "expected_wait", "from": "origin"}}, status=429)
 
-    server = await _serve(refuse_or_spill)
+    return refuse_or_spill
+
+
+async def _origin(spill: Spill, servers: list[TestServer]) -> TestServer:
+    server = await _serve(_spilling(spill))
     servers.append(server)
     return server
 
@@ -170,3 +183,35 @@ def test_spilling_needs_the_flag_and_a_peer() -> None:
     assert not off.wanted(request)
     with pytest.raises(ValueError):
         Spill("m", max_peers=-1)
+
+
+def test_the_cached_hint_is_parsed_defensively_and_merged_per_node() -> None:
+    assert parse_cached("p1=12, p2=3,bad,=4,p3=x,p4=-1,p5=99", total_blocks=20) == {
+        "p1": 12,
+        "p2": 3,
+        "p5": 20,
+    }
+    assert parse_cached("", 10) == {}
+    own = PrefixEstimate(20, {"p2": 5}, "p2", 5)
+    merged = with_cached(own, {"p1": 12, "p2": 3})
+    assert merged.matches == {"p1": 12, "p2": 5} and merged.best_node == "p1" and merged.best_blocks == 12
+    assert merged.hit_ratio == 12 / 20
+    assert with_cached(PrefixEstimate(8), {}) == PrefixEstimate(8)
+
+
+async def test_the_spilling_master_tells_the_peer_where_the_prompt_is_cached(
+    servers: list[TestServer],
+) -> None:
+    free = Peer(200)
+    servers.append(await _serve(free.handle))
+    spill = Spill("m1", max_peers=1)
+    spill.peers = [("m2", str(servers[0].make_url("")).rstrip("/"))]
+    origin = await _serve(_spilling(spill, cached={"p1": 7, "p2": 0, "p3": 2}))
+    servers.append(origin)
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(origin.make_url("/v1/chat/completions"), json={}) as resp,
+    ):
+        assert resp.status == 200
+    assert free.seen[0][0][CACHED_HEADER] == "p1=7,p3=2"  # most first, nothing for an empty node
+    await spill.close()
