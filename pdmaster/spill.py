@@ -16,8 +16,9 @@ or is refused here as it would have been. The peers are the masters registered i
 advertised HTTP addresses), read as the master already reads them to count them, tried in random
 order so that a burst spreads. ``X-Pdcoord-Cached`` carries what this master's prefix index knows of
 the prompt (blocks per prefill node): the peer's index has not seen this master's traffic, and without
-it routed spilled prompts as cold, away from the engine holding their prefix. The client's ``Authorization`` goes along (masters of one deployment
-share their API keys). A client that sets ``X-Pdcoord-Spilled`` itself only restricts its own request.
+it routed spilled prompts as cold, away from the engine holding their prefix. The client's
+``Authorization`` goes along (masters of one deployment share their API keys). A client that sets
+``X-Pdcoord-Spilled`` itself only restricts its own request.
 """
 
 from __future__ import annotations
