@@ -16,20 +16,22 @@ from pdcoord.dev.cluster import LocalCluster
 pytestmark = pytest.mark.cluster
 
 
-def _stream(client: openai.OpenAI, words: int, tokens: int) -> tuple[str, str]:
-    """('ok', the master that served it when not the one asked, else '') or (the error code, '')."""
+def _stream(client: openai.OpenAI, words: int, tokens: int) -> tuple[str, str, str]:
+    """('ok', the master that served it when not the one asked, else '', its admission wait in ms) or
+    (the error code, '', '')."""
     try:
         raw = client.completions.with_raw_response.create(
             model="pdsim-model", prompt=" ".join(f"w{i}" for i in range(words)), max_tokens=tokens,
             stream=True,
         )  # fmt: skip
         spilled_to = raw.headers.get("X-Spilled-To", "")
+        wait_ms = raw.headers.get("X-Admission-Wait-Ms", "")
         for _ in raw.parse():
             pass
-        return "ok", spilled_to
+        return "ok", spilled_to, wait_ms
     except openai.APIStatusError as exc:
         body = exc.body if isinstance(exc.body, dict) else {}
-        return str(body.get("code") or exc.status_code), ""
+        return str(body.get("code") or exc.status_code), "", ""
 
 
 def _granted(snapshot: dict[str, Any]) -> int:
@@ -50,15 +52,18 @@ def test_a_request_refused_for_its_expected_wait_is_served_by_a_peer_with_room(c
         assert _stream(client, 20 + 40 * (i % 3), 10)[0] == "ok"
     before = _granted(m2.admission())
     # A burst at m1 alone: what m1 would make wait too long goes to m2, which takes what fits now.
-    spilled: list[str] = []
+    spilled: list[tuple[str, str]] = []
     deadline = time.monotonic() + 120
     while not spilled and time.monotonic() < deadline:
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
             outcomes = list(pool.map(lambda _: _stream(client, 50, 10), range(30)))
-        codes = [code for code, _ in outcomes]
+        codes = [code for code, _, _ in outcomes]
         assert set(codes) <= {"ok", "expected_wait", "timeout"}, codes  # nothing else, nothing lost
-        spilled = [to for code, to in outcomes if code == "ok" and to]
-    assert spilled and set(spilled) == {"m2"}, outcomes
+        spilled = [(to, wait) for code, to, wait in outcomes if code == "ok" and to]
+    assert spilled and {to for to, _ in spilled} == {"m2"}, outcomes
     assert _granted(m2.admission()) - before >= len(spilled)
-    # m2 queued none of them: a spilled request takes room free now or is refused at once
-    assert m2.admission()["queued_requests"] == 0
+    # m2 queued none of them: a spilled request takes room free now (granted in the call that
+    # submitted it: a wait of 0) or is refused at once, so none timed out there either
+    assert all(float(wait) == 0.0 for _, wait in spilled), spilled
+    outcomes_m2 = m2.admission()["outcomes"]
+    assert not any(by_class.get("timeout") for by_class in outcomes_m2.values()), outcomes_m2
