@@ -71,7 +71,7 @@ def peers_from_etcd(values: Mapping[str, bytes], own_id: str) -> list[tuple[str,
 
 
 class Spill:
-    """Sends refused requests to peer masters; ``peers`` is kept current by the master."""
+    """Offers requests to peer masters (see the module); ``peers`` is kept current by the master."""
 
     def __init__(
         self, master_id: str, max_peers: int, *, timeout_s: float = 300.0, metric: Counter | None = None
@@ -88,8 +88,8 @@ class Spill:
         self.results: dict[str, int] = dict.fromkeys(RESULTS, 0)
 
     def wanted(self, request: web.Request) -> bool:
-        """Whether a refused ``request`` may go to a peer: spilling is on, there is a peer, and it did
-        not come from one."""
+        """Whether ``request`` may go to a peer: spilling is on, there is a peer, and it did not come
+        from one."""
         return bool(self.max_peers and self.peers) and SPILLED_HEADER not in request.headers
 
     def _count(self, result: str) -> None:
@@ -115,9 +115,9 @@ class Spill:
         ``cached``: the prompt's blocks this master's prefix index sees on each prefill node."""
         headers = {h: request.headers[h] for h in _FORWARDED if h in request.headers}
         headers[SPILLED_HEADER] = self.master_id
-        if cached:
-            top = sorted(cached.items(), key=lambda kv: -kv[1])[:MAX_CACHED_NODES]
-            headers[CACHED_HEADER] = ",".join(f"{node}={blocks}" for node, blocks in top if blocks > 0)
+        top = sorted(((n, b) for n, b in (cached or {}).items() if b > 0), key=lambda kv: -kv[1])
+        if top:
+            headers[CACHED_HEADER] = ",".join(f"{node}={blocks}" for node, blocks in top[:MAX_CACHED_NODES])
         peers = list(self.peers)
         random.shuffle(peers)
         for peer_id, base in peers[: self.max_peers]:
@@ -163,7 +163,7 @@ def parse_cached(header: str, total_blocks: int) -> dict[str, int]:
     out: dict[str, int] = {}
     for item in header.split(",")[:MAX_CACHED_NODES]:
         node, sep, blocks = item.strip().partition("=")
-        if sep and node and blocks.isdigit():
+        if sep and node and blocks.isascii() and blocks.isdigit() and len(blocks) <= 9:
             out[node] = min(int(blocks), total_blocks)
     return out
 

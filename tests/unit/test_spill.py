@@ -192,6 +192,8 @@ def test_the_cached_hint_is_parsed_defensively_and_merged_per_node() -> None:
         "p5": 20,
     }
     assert parse_cached("", 10) == {}
+    # digits that are not ASCII, or too many of them for int(), are junk like any other
+    assert parse_cached("p1=\u00b2,p2=" + "9" * 5000 + ",p3=4", 10) == {"p3": 4}
     own = PrefixEstimate(20, {"p2": 5}, "p2", 5)
     merged = with_cached(own, {"p1": 12, "p2": 3})
     assert merged.matches == {"p1": 12, "p2": 5} and merged.best_node == "p1" and merged.best_blocks == 12
