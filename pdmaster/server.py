@@ -727,7 +727,8 @@ class MasterServer:
             else:
                 outage.recovered()
                 self.admission.set_masters(len(kvs))
-                self.spill.peers = peers_from_etcd({kv.key: kv.value for kv in kvs}, self.master_id)
+                if self.spill.max_peers:
+                    self.spill.peers = peers_from_etcd({kv.key: kv.value for kv in kvs}, self.master_id)
             await asyncio.sleep(MASTERS_POLL_S)
 
     async def drain(self) -> None:
