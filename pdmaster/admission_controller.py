@@ -332,10 +332,6 @@ class AdmissionController:
     def wanted_slots(self) -> int:
         return self.core.wanted_slots()
 
-    def can_start_now(self, slots: int, session_id: str | None = None) -> bool:
-        """Whether ``acquire`` would grant at once (``AdmissionCore.can_start_now``)."""
-        return self.core.can_start_now(slots, session_id)
-
     def waits_for_room(self, slots: int, session_id: str | None = None) -> bool:
         """``AdmissionCore.waits_for_room``."""
         return self.core.waits_for_room(slots, session_id)

@@ -33,6 +33,7 @@ class RequestContext:
     hashes: list[int] = field(default_factory=list)
     estimate: PrefixEstimate[str] | None = None
     request_class: RequestClass | None = None
+    from_peer: bool = False  # another master spilled it here (X-Pdcoord-Spilled, pdmaster/spill.py)
     lease: Lease | None = None
     prefill: Node | None = None
     decode: Node | None = None

@@ -168,8 +168,7 @@ class RequestPipeline:
                         avoid=failed,
                         deadline=deadline,
                         lead_s=self._lead(ctx),
-                        # spilled by another master: only room free now (pdmaster/spill.py)
-                        at_once=SPILLED_HEADER in ctx.request.headers,
+                        at_once=ctx.from_peer,  # only room free now (pdmaster/spill.py)
                     ) as lease:
                         ctx.lease = lease
                         if self._staged is None and lease.node in failed:
@@ -273,8 +272,9 @@ class RequestPipeline:
         ctx.hashes, ctx.estimate = self.router.estimate(
             parsed.input_ids if parsed.input_ids is not None else parsed.prompt_text
         )
-        hint = ctx.request.headers.get(CACHED_HEADER) if SPILLED_HEADER in ctx.request.headers else None
-        if hint:  # spilled here: where the spilling master saw the prompt's prefix cached
+        ctx.from_peer = SPILLED_HEADER in ctx.request.headers
+        hint = ctx.request.headers.get(CACHED_HEADER) if ctx.from_peer else None
+        if hint:  # where the spilling master saw the prompt's prefix cached
             ctx.estimate = with_cached(ctx.estimate, parse_cached(hint, ctx.estimate.total_blocks))
         ctx.request_class = self.admission.classify(ctx.session_id, ctx.estimate.hit_ratio)
         self.metrics.classified(ctx.request_class.name.lower())

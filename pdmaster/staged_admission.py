@@ -301,12 +301,8 @@ class StagedAdmission(AdmissionController):
         assert self.gate is not None
         return self.gate.wanted_slots() + self.core.wanted_slots()
 
-    def can_start_now(self, slots: int, session_id: str | None = None) -> bool:
-        assert self.gate is not None  # the first stage is where a request waits
-        return self.gate.can_start_now(slots, session_id)
-
     def waits_for_room(self, slots: int, session_id: str | None = None) -> bool:
-        assert self.gate is not None
+        assert self.gate is not None  # the first stage is where a request waits
         return self.gate.waits_for_room(slots, session_id)
 
     def snapshot(self) -> dict[str, Any]:
