@@ -103,6 +103,7 @@ NO_CAPACITY = "no_capacity"
 CANNOT_FIT_NOW = "cannot_fit_now"
 INVALID = "invalid"
 EXPECTED_WAIT = "expected_wait"  # refused at once: its expected wait exceeds its class's target
+HANDED_OFF = "handed_off"  # left the queue for a peer master's free room (pdmaster/spill.py)
 OUTCOMES: tuple[str, ...] = (
     GRANTED,
     QUEUE_FULL,
@@ -114,6 +115,7 @@ OUTCOMES: tuple[str, ...] = (
     CANNOT_FIT_NOW,
     INVALID,
     EXPECTED_WAIT,
+    HANDED_OFF,
 )
 
 # The shortest wait a time-to-first-token target leaves a queued request whose prefill takes it all.
@@ -680,6 +682,53 @@ class AdmissionCore:
         if session_id is not None and session_id in self._sessions:
             return False
         return not self.can_start_now(slots)
+
+    def free_now(self) -> int:
+        """The most slots one first-time request could be granted at once (on one node; 0 while a
+        gang holds the free slots or a pause hold lasts): what another master may hand this one."""
+        if self._bypass or self._holding or self._reserved:
+            return 0
+        return self._top_free()[0]
+
+    def has_handoffs(self) -> bool:
+        """Whether a first-time request below the continuation class waits here as an eligible head
+        (cheap: what decides if asking the peers for room is worth it)."""
+        return any(q.heads_n for q in self._qlist[1:])
+
+    def handoffs(self, max_slots: int, limit: int) -> list[Ticket]:
+        """Up to ``limit`` queued requests another master could start at once instead, oldest first:
+        eligible heads below the continuation class (a continuation goes first here), each of at
+        most ``max_slots`` slots, neither a resubmission nor behind its own session's turn nor part
+        of a gang. Looks only; :meth:`hand_off` takes one out."""
+        out: list[Ticket] = []
+        if limit <= 0 or max_slots <= 0:
+            return out
+        for q in self._qlist[1:]:
+            if not q.heads_n:
+                continue
+            n = 0
+            for t in q.arrivals:
+                if (
+                    t.state is _QUEUED
+                    and t.request_class is q.cls
+                    and t._loc == _HEAD
+                    and t.slots <= max_slots
+                ):
+                    out.append(t)
+                    n += 1
+                    if n >= limit:
+                        break
+        out.sort(key=lambda t: t.id)
+        return out[:limit]
+
+    def hand_off(self, t: Ticket) -> list[Ticket]:
+        """Withdraw queued ``t``: another master starts it (``HANDED_OFF``). Should that master refuse,
+        the request comes back as a resubmission with ``t.deadline`` and goes first."""
+        self._begin()
+        if t.state is _QUEUED:
+            self._finish(t, _CANCELLED, HANDED_OFF)
+            self._pump()
+        return self._end()
 
     def wanted_slots(self) -> int:
         """Queued demand in slots (what the master reports to agents as ``wanted_slots``)."""

@@ -25,6 +25,7 @@ from pdmaster.admission import (
     EVICTED,
     EXPECTED_WAIT,
     GRANTED,
+    HANDED_OFF,
     INVALID,
     NO_CAPACITY,
     OUTCOMES,
@@ -44,6 +45,7 @@ from pdmaster.prefill_time import PrefillTime
 __all__ = [
     "AdmissionController",
     "AdmissionRejected",
+    "HandedOff",
     "Lease",
     "add_admission_flags",
     "policy_from_args",
@@ -60,6 +62,7 @@ MESSAGES: dict[str, str] = {
     CANNOT_FIT_NOW: "request needs more decode slots than this master currently holds on any decode node",
     INVALID: "invalid slot count",
     EXPECTED_WAIT: "expected wait for decode capacity exceeds the target wait; retry after Retry-After",
+    HANDED_OFF: "handed to another master's free decode capacity",
 }
 HTTP_STATUS: dict[str, int] = {UNSATISFIABLE: 400, INVALID: 400, NO_CAPACITY: 503}
 
@@ -98,6 +101,17 @@ class AdmissionRejected(Exception):
     def retry_after_header(self) -> str | None:
         """Value for the HTTP ``Retry-After`` header (whole seconds, rounded up)."""
         return None if self.retry_after is None else str(max(1, math.ceil(self.retry_after)))
+
+
+class HandedOff(AdmissionRejected):
+    """The waiting request left this master's queue for ``peer``'s free room (pdmaster/spill.py): the
+    caller forwards it there, and should the peer refuse, resubmits it here with ``deadline``."""
+
+    def __init__(self, peer: str, deadline: float, waited_s: float, request_class: RequestClass) -> None:
+        super().__init__(HANDED_OFF, MESSAGES[HANDED_OFF], 429, None, request_class)
+        self.peer = peer
+        self.deadline = deadline
+        self.waited_s = waited_s
 
 
 class Lease:
@@ -213,6 +227,7 @@ class AdmissionController:
         self._outcome_children = metrics.outcome
         self._wait_children = metrics.wait_of
         self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._handed: dict[int, str] = {}  # ticket id -> the peer it was handed to (hand_off)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._held_seen = self.core.held_until
@@ -268,6 +283,7 @@ class AdmissionController:
                 await fut
             except BaseException:
                 # cancelled while queued: withdraw; cancelled right after the grant: give it back
+                self._handed.pop(t.id, None)
                 if t.state is TicketState.QUEUED:
                     self._apply(core.cancel(t))
                 elif t.state is TicketState.GRANTED:
@@ -277,6 +293,9 @@ class AdmissionController:
                 self._waiters.pop(t.id, None)
         if t.state is TicketState.GRANTED:
             return Lease(self, t)
+        peer = self._handed.pop(t.id, None)
+        if peer is not None:
+            raise HandedOff(peer, t.deadline, t.wait_s or 0.0, t.request_class)
         raise AdmissionRejected.from_ticket(t)
 
     def set_shares(self, shares: Mapping[str, int], node_capacity: Mapping[str, int] | None = None) -> None:
@@ -335,6 +354,32 @@ class AdmissionController:
     def waits_for_room(self, slots: int, session_id: str | None = None) -> bool:
         """``AdmissionCore.waits_for_room``."""
         return self.core.waits_for_room(slots, session_id)
+
+    def free_now(self) -> int:
+        """``AdmissionCore.free_now``: what a peer master may hand this one."""
+        return self.core.free_now()
+
+    def has_handoffs(self) -> bool:
+        """Whether a waiter here could start at a peer with room (``AdmissionCore.has_handoffs``)."""
+        return bool(self._waiters) and self.core.has_handoffs()
+
+    def hand_off(self, peer: str, free_slots: int) -> int:
+        """Hand the oldest waiters that fit in ``free_slots`` (a peer's room, ``free_now`` there) to
+        ``peer``: each one's ``acquire`` raises :class:`HandedOff`. Returns how many left."""
+        core = self.core
+        moved = 0
+        for t in core.handoffs(free_slots, free_slots):
+            if t.slots > free_slots or t.id not in self._waiters:
+                continue
+            self._handed[t.id] = peer
+            changes = core.hand_off(t)
+            if t.state is TicketState.QUEUED:  # defensive: the core kept it
+                self._handed.pop(t.id, None)
+                continue
+            self._apply(changes)
+            free_slots -= t.slots
+            moved += 1
+        return moved
 
     def forget_node(self, node: str) -> bool:
         """Drop ``node`` from the core (``AdmissionCore.forget_node``): after the master forgot it."""

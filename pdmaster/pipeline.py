@@ -34,7 +34,7 @@ from collections.abc import Callable, Collection, Sequence
 from aiohttp import web
 
 from pdmaster.admission import EXPECTED_WAIT, RequestClass
-from pdmaster.admission_controller import AdmissionController, AdmissionRejected, Lease
+from pdmaster.admission_controller import AdmissionController, AdmissionRejected, HandedOff, Lease
 from pdmaster.context import RequestContext, RequestFailed
 from pdmaster.engine import Dispatch, EngineError, EnginePool, EngineResponse
 from pdmaster.engine.health import EngineBreakers, counts_as_failure
@@ -227,6 +227,16 @@ class RequestPipeline:
                         finally:
                             for answer in answers:
                                 await answer.close()
+                except HandedOff as exc:
+                    # A peer reported room while this waited here (pdmaster/spill.py): go there.
+                    assert self.spill is not None
+                    spilled = await self.spill.forward(
+                        ctx.request, ctx.raw, self._cached(ctx), to=exc.peer, waited_s=exc.waited_s
+                    )
+                    if spilled is not None:
+                        return spilled
+                    deadline = exc.deadline  # it filled meanwhile: back here, first, by its deadline
+                    continue
                 except AdmissionRejected as exc:
                     if exc.code == EXPECTED_WAIT and spill is not None:
                         # refused before any work was done for it: a peer may have room now

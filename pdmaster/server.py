@@ -44,8 +44,8 @@ from pdmaster.pausewatch import PauseWatch
 from pdmaster.pipeline import RequestPipeline
 from pdmaster.registry import DECODE, NodeRegistry, ShareChanges, split_changes
 from pdmaster.routing import POLICIES, Router
-from pdmaster.spill import Spill, peers_from_etcd
-from pdmaster.staged_admission import make_admission
+from pdmaster.spill import ROOM_PATH, Spill, peers_from_etcd
+from pdmaster.staged_admission import StagedAdmission, make_admission
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,13 @@ class MasterServer:
         )
         self.breakers = EngineBreakers(cfg.breaker, on_change=self._on_breaker)
         self.request_metrics = RequestMetrics(self.metrics_registry)
-        self.spill = Spill(self.master_id, cfg.spill_peers, metric=self.request_metrics.spilled)
+        self.spill = Spill(
+            self.master_id,
+            cfg.spill_peers,
+            metric=self.request_metrics.spilled,
+            free_now=self.admission.free_now,
+            api_key=self.api_keys[0] if self.api_keys else None,
+        )
         self.pipeline = RequestPipeline(
             router=Router(self.registry, POLICIES[cfg.prefill_selection]()),
             admission=self.admission,
@@ -280,6 +286,7 @@ class MasterServer:
         self._forget_task: asyncio.Task[None] | None = None
         self._key_check_at: dict[str, float] = {}  # disconnected node -> next look at its etcd key
         self._release_task: asyncio.Task[None] | None = None
+        self._handoff_task: asyncio.Task[None] | None = None
         # node -> {"stream": Register.stream_id of its gone stream, "running": slots}, as in the key
         self._released: dict[str, dict[str, int]] = {}
         self._stream_closed = asyncio.Event()  # wakes _release_loop, which sleeps while every stream is up
@@ -576,6 +583,7 @@ class MasterServer:
             metrics=self.request_metrics,
             engine_protocol=self.config.engine_protocol,
         ).install(app)
+        app.router.add_get(ROOM_PATH, self.spill.room)  # peers' hand-offs (pdmaster/spill.py)
         return app
 
     def build_admin_app(self) -> web.Application:
@@ -709,6 +717,11 @@ class MasterServer:
         self._count_task = asyncio.create_task(self._count_masters(), name="count-masters")
         self._forget_task = asyncio.create_task(self._forget_loop(), name="forget-nodes")
         self._release_task = asyncio.create_task(self._release_loop(), name="release-streams")
+        if cfg.spill_peers and not isinstance(self.admission, StagedAdmission):
+            # Two-stage admission waits for its decode lease after the prefill: nothing to hand off.
+            self._handoff_task = asyncio.create_task(
+                self.spill.run_handoffs(self.admission), name="hand-offs"
+            )
         tune_gc()  # start-up is done: what it allocated is never scanned again
         print(
             f"pdmaster ready master_id={self.master_id} "
@@ -758,7 +771,13 @@ class MasterServer:
             self.lifecycle.registered_while(lambda: False)
 
     async def close(self) -> None:
-        for task in (self._count_task, self._forget_task, self._release_task, self._lost_drain_task):
+        for task in (
+            self._count_task,
+            self._forget_task,
+            self._release_task,
+            self._handoff_task,
+            self._lost_drain_task,
+        ):
             if task is not None:
                 task.cancel()
         try:

@@ -19,14 +19,25 @@ the prompt (blocks per prefill node): the peer's index has not seen this master'
 it routed spilled prompts as cold, away from the engine holding their prefix. The client's
 ``Authorization`` goes along (masters of one deployment share their API keys). A client that sets
 ``X-Pdcoord-Spilled`` itself only restricts its own request.
+
+Spilling on arrival moves only what arrives while a peer has room; a request already queued here would
+never learn that a peer's slot came free a moment later. So while requests wait here (first-time ones
+below the continuation class, not behind their own session's turn), the master asks up to N peers every
+``HANDOFF_POLL_S`` how much room they have free now (``GET /spill/room``, one number, with this
+deployment's first API key), and hands its oldest such waiters that fit to a peer that has some
+(``AdmissionController.hand_off``): each leaves the queue and is forwarded there as above. Should that
+peer have filled in the meantime, the request comes back here as a resubmission with its deadline (it
+goes first, as a retried request does), so a hand-off never costs a request its place.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
@@ -37,6 +48,21 @@ from pdmaster.prefix_index import PrefixEstimate
 log = logging.getLogger(__name__)
 
 RESULTS = ("taken", "refused", "unreachable")
+ROOM_PATH = "/spill/room"  # a master's free room now, for its peers: {"free": slots}
+# How often a master with waiting requests asks its peers for room: a slot that comes free at a peer
+# idles at most about this long before a waiter here takes it (decode leases last seconds).
+HANDOFF_POLL_S = 0.05
+_ROOM_TIMEOUT = aiohttp.ClientTimeout(total=0.5)
+
+
+class HandsOff(Protocol):
+    """What the hand-off loop needs of the admission controller."""
+
+    def has_handoffs(self) -> bool: ...
+
+    def hand_off(self, peer: str, free_slots: int) -> int: ...
+
+
 # What the spilling master's prefix index knows of the prompt: "node=blocks,..." per prefill node. A
 # peer's index has not seen this master's traffic; with it the peer routes the prompt to the engine
 # that holds its prefix (and counts that prefill as short) instead of taking it for cold.
@@ -44,6 +70,7 @@ CACHED_HEADER = "X-Pdcoord-Cached"
 MAX_CACHED_NODES = 64
 SPILLED_HEADER = "X-Pdcoord-Spilled"
 SPILLED_TO_HEADER = "X-Spilled-To"  # on the answer: the master that served it
+WAIT_HEADER = "X-Admission-Wait-Ms"
 # Request headers a peer needs to treat the request as the client's own.
 _FORWARDED = ("Authorization", "Content-Type", "X-Session-Id", "X-Request-Id")
 # Response headers that describe the connection, not the answer: aiohttp sets its own.
@@ -74,12 +101,22 @@ class Spill:
     """Offers requests to peer masters (see the module); ``peers`` is kept current by the master."""
 
     def __init__(
-        self, master_id: str, max_peers: int, *, timeout_s: float = 300.0, metric: Counter | None = None
+        self,
+        master_id: str,
+        max_peers: int,
+        *,
+        timeout_s: float = 300.0,
+        metric: Counter | None = None,
+        free_now: Callable[[], int] | None = None,
+        api_key: bytes | None = None,
     ) -> None:
         if max_peers < 0:
             raise ValueError("max_peers must be >= 0")
         self.metric = metric  # pdcoord_spilled_requests{result}
         self.master_id = master_id
+        self.free_now = free_now  # this master's room for its peers' waiters (GET /spill/room)
+        self._probe_headers = {"Authorization": "Bearer " + api_key.decode()} if api_key else {}
+        self.handed_off = 0  # waiters handed to a peer's room (whether it then took them or not)
         self.max_peers = max_peers
         self.peers: list[tuple[str, str]] = []  # (master id, HTTP base URL)
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0, sock_read=timeout_s)
@@ -108,18 +145,29 @@ class Spill:
         return self._session
 
     async def forward(
-        self, request: web.Request, raw: bytes, cached: Mapping[str, int] | None = None
+        self,
+        request: web.Request,
+        raw: bytes,
+        cached: Mapping[str, int] | None = None,
+        *,
+        to: str | None = None,
+        waited_s: float | None = None,
     ) -> web.StreamResponse | None:
         """The first peer answer that is not a refusal (429/503), streamed to the client; None when
         every peer tried refused or could not be reached (the caller sends its own refusal).
-        ``cached``: the prompt's blocks this master's prefix index sees on each prefill node."""
+        ``cached``: the prompt's blocks this master's prefix index sees on each prefill node. ``to``:
+        that peer only (a hand-off); ``waited_s``: what the request waited here (its answer's
+        ``X-Admission-Wait-Ms`` then says so rather than the peer's 0)."""
         headers = {h: request.headers[h] for h in _FORWARDED if h in request.headers}
         headers[SPILLED_HEADER] = self.master_id
         top = sorted(((n, b) for n, b in (cached or {}).items() if b > 0), key=lambda kv: -kv[1])
         if top:
             headers[CACHED_HEADER] = ",".join(f"{node}={blocks}" for node, blocks in top[:MAX_CACHED_NODES])
-        peers = list(self.peers)
-        random.shuffle(peers)
+        if to is not None:
+            peers = [p for p in self.peers if p[0] == to]
+        else:
+            peers = list(self.peers)
+            random.shuffle(peers)
         for peer_id, base in peers[: self.max_peers]:
             try:
                 resp = await self._client().post(base + request.path, data=raw, headers=headers)
@@ -133,18 +181,26 @@ class Spill:
                     self._count("refused")
                     continue
                 self._count("taken")
-                return await self._relay(request, resp, peer_id)
+                return await self._relay(request, resp, peer_id, waited_s)
             finally:
                 resp.release()
         return None
 
     @staticmethod
-    async def _relay(request: web.Request, resp: aiohttp.ClientResponse, peer_id: str) -> web.StreamResponse:
+    async def _relay(
+        request: web.Request, resp: aiohttp.ClientResponse, peer_id: str, waited_s: float | None = None
+    ) -> web.StreamResponse:
         out = web.StreamResponse(status=resp.status, reason=resp.reason)
         for k, v in resp.headers.items():
             if k.lower() not in _HOP:
                 out.headers.add(k, v)
         out.headers[SPILLED_TO_HEADER] = peer_id  # as X-Retries: the client may want to know
+        if waited_s is not None and WAIT_HEADER in out.headers:
+            try:
+                there = float(out.headers[WAIT_HEADER])
+            except ValueError:
+                there = 0.0
+            out.headers[WAIT_HEADER] = f"{waited_s * 1000 + there:.1f}"  # here, then there
         await out.prepare(request)
         try:
             async for chunk in resp.content.iter_any():
@@ -155,6 +211,48 @@ class Spill:
             return out
         await out.write_eof()
         return out
+
+    # -- hand-offs of waiting requests ------------------------------------------------------------
+    async def room(self, _request: web.Request) -> web.Response:
+        """``GET /spill/room``: the slots a peer's waiter could start here now."""
+        return web.json_response({"free": self.free_now() if self.free_now is not None else 0})
+
+    async def _peer_room(self, base: str) -> int:
+        try:
+            async with self._client().get(
+                base + ROOM_PATH, headers=self._probe_headers, timeout=_ROOM_TIMEOUT
+            ) as r:
+                if r.status != 200:
+                    return 0
+                free = (await r.json()).get("free")
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError):
+            return 0
+        return free if isinstance(free, int) and not isinstance(free, bool) and free > 0 else 0
+
+    async def hand_off_once(self, admission: HandsOff) -> int:
+        """Ask up to N peers for their room (only while something waits here that could move) and hand
+        the oldest waiters that fit to those that have some; returns how many were handed off."""
+        if not (self.max_peers and self.peers) or not admission.has_handoffs():
+            return 0
+        peers = list(self.peers)
+        random.shuffle(peers)
+        peers = peers[: self.max_peers]
+        rooms = await asyncio.gather(*(self._peer_room(base) for _, base in peers))
+        moved = 0
+        for (peer_id, _), free in zip(peers, rooms, strict=True):
+            if free and admission.has_handoffs():
+                moved += admission.hand_off(peer_id, free)
+        self.handed_off += moved
+        return moved
+
+    async def run_handoffs(self, admission: HandsOff, poll_s: float = HANDOFF_POLL_S) -> None:
+        """Until cancelled: :meth:`hand_off_once` every ``poll_s``."""
+        while True:
+            await asyncio.sleep(poll_s)
+            try:
+                await self.hand_off_once(admission)
+            except Exception:  # a bug here must not stop spilling for the master's lifetime
+                log.exception("handing waiters to peers failed")
 
 
 def parse_cached(header: str, total_blocks: int) -> dict[str, int]:

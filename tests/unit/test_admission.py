@@ -891,3 +891,44 @@ def test_waits_for_room_only_when_no_node_has_it_and_its_session_holds_nothing()
     core.release(a)
     assert core.can_start_now(1) and not core.waits_for_room(1)
     assert core.waits_for_room(2)  # no node has two free
+
+
+def test_handoffs_are_the_oldest_first_time_waiters_below_continuations_that_fit() -> None:
+    """What a master may hand to a peer with free room (pdmaster/spill.py): first-time waiters of the
+    lower classes, oldest first, that fit the peer's room; never a continuation (it goes first here),
+    a request behind its own session's turn, or one that needs more than the room."""
+    core = make({"d1": 2}, queue_waves=20)
+    assert core.free_now() == 2 and not core.has_handoffs()
+    a = core.submit(1, COLD, "s1")
+    core.submit(1, COLD, "s2")
+    assert core.free_now() == 0
+    cont = core.submit(1, CONT, "s9")
+    behind = core.submit(1, COLD, "s1")  # waits for s1's running turn
+    e = core.submit(1, PROB, "s3")
+    f = core.submit(1, COLD, "s4")
+    g = core.submit(2, COLD, "s5")
+    assert all(t.state is Q for t in (cont, behind, e, f, g))
+    assert core.has_handoffs()
+    assert core.handoffs(1, 10) == [e, f]
+    assert core.handoffs(2, 10) == [e, f, g]
+    assert core.handoffs(2, 1) == [e]
+    assert core.handoffs(0, 10) == [] and core.handoffs(2, 0) == []
+    queued = core.queued_requests
+    changes = core.hand_off(e)
+    assert e in changes and e.state is TicketState.CANCELLED
+    assert e.reason is not None and e.reason.code == "handed_off"
+    assert core.queued_requests == queued - 1
+    assert core.snapshot()["outcomes"]["probable_cache_hit"]["handed_off"] == 1
+    assert core.hand_off(e) == []  # once only
+    assert core.handoffs(2, 10) == [f, g]
+    # the rest is served here as before: the continuation first, then s1's next turn
+    assert granted(core.release(a)) == [cont]
+    assert behind.state is Q
+
+
+def test_free_now_is_the_room_one_first_time_request_could_take() -> None:
+    core = make({"d1": 2, "d2": 3}, queue_waves=20)
+    assert core.free_now() == 3
+    core.submit(2, COLD)
+    assert core.free_now() == 2
+    assert make({}).free_now() == 0

@@ -23,6 +23,7 @@ from pdmaster.admission_controller import (
     MESSAGES,
     AdmissionController,
     AdmissionRejected,
+    HandedOff,
     add_admission_flags,
     policy_from_args,
 )
@@ -379,3 +380,33 @@ async def test_a_lease_abandoned_after_its_decode_went_out_is_remembered_per_nod
     assert ctl.unfinished_end_at("d1") == 105.0 and ctl.core.active == 0
     ctl.forget_node("d1")
     assert ctl.unfinished_end_at("d1") == float("-inf")
+
+
+async def test_a_waiter_handed_to_a_peer_leaves_and_comes_back_first_by_its_deadline() -> None:
+    """``hand_off`` (pdmaster/spill.py): the oldest waiter that fits the peer's room leaves the queue
+    with HandedOff (the peer, its deadline, its wait); resubmitted with that deadline when the peer
+    had filled meanwhile, it goes before the waiters that stayed."""
+    ctl = make({"d1": 1}, queue_waves=20)
+    holder = await ctl.acquire_lease()
+    first = asyncio.create_task(ctl.acquire_lease(request_class=COLD, session_id="s1"))
+    await settle()
+    second = asyncio.create_task(ctl.acquire_lease(request_class=COLD, session_id="s2"))
+    await settle()
+    assert ctl.has_handoffs() and ctl.free_now() == 0
+    assert ctl.hand_off("m2", 0) == 0
+    assert ctl.hand_off("m2", 1) == 1
+    with pytest.raises(HandedOff) as info:
+        await asyncio.wait_for(first, 1)
+    exc = info.value
+    assert exc.peer == "m2" and exc.code == "handed_off" and exc.request_class is COLD
+    assert exc.deadline > time.monotonic() and exc.waited_s >= 0.0
+    assert sample(ctl, "pdcoord_admission_outcomes_total", **{"class": "cold", "outcome": "handed_off"}) == 1
+    assert not second.done() and ctl.snapshot()["queued_requests"] == 1
+    back = asyncio.create_task(ctl.acquire_lease(request_class=COLD, deadline=exc.deadline))
+    await settle()
+    holder.release()
+    lease = await asyncio.wait_for(back, 1)
+    assert not second.done()
+    lease.release()
+    (await asyncio.wait_for(second, 1)).release()
+    assert not ctl.has_handoffs() and ctl.free_now() == 1 and not ctl._handed

@@ -15,10 +15,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer, make_mocked_request
 from prometheus_client import CollectorRegistry
 
+from pdmaster.api import api_key_middleware
 from pdmaster.metrics import RequestMetrics
 from pdmaster.prefix_index import PrefixEstimate
 from pdmaster.spill import (
     CACHED_HEADER,
+    ROOM_PATH,
     SPILLED_HEADER,
     SPILLED_TO_HEADER,
     Spill,
@@ -216,4 +218,114 @@ async def test_the_spilling_master_tells_the_peer_where_the_prompt_is_cached(
     ):
         assert resp.status == 200
     assert free.seen[0][0][CACHED_HEADER] == "p1=7,p3=2"  # most first, nothing for an empty node
+    await spill.close()
+
+
+class Waiters:
+    """What the hand-off loop sees of admission: ``left`` requests that could move, and the calls."""
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+        self.calls: list[tuple[str, int]] = []
+
+    def has_handoffs(self) -> bool:
+        return self.left > 0
+
+    def hand_off(self, peer: str, free_slots: int) -> int:
+        self.calls.append((peer, free_slots))
+        n = min(self.left, free_slots)
+        self.left -= n
+        return n
+
+
+async def _room_peer(free: object, keys: list[bytes] | None = None) -> TestServer:
+    """A peer master's /spill/room: its own Spill's handler, or a raw answer for junk."""
+    middlewares = [api_key_middleware(keys, open_paths=())] if keys else []
+    app = web.Application(middlewares=middlewares)
+    if isinstance(free, int):
+        app.router.add_get(ROOM_PATH, Spill("peer", 0, free_now=lambda: free).room)
+    else:
+
+        async def junk(_request: web.Request) -> web.Response:
+            return web.json_response(free)
+
+        app.router.add_get(ROOM_PATH, junk)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    return server
+
+
+async def test_waiters_are_handed_to_the_peers_that_report_room(servers: list[TestServer]) -> None:
+    """While something waits here, the master asks its peers for room (with this deployment's API
+    key) and hands waiters to those that have some; junk, a refusal or a dead peer count as none."""
+    roomy = await _room_peer(2, keys=[b"k"])
+    full = await _room_peer(0)
+    junk = await _room_peer({"free": "lots"})
+    locked = await _room_peer(5, keys=[b"other"])  # a key this master does not have: 401
+    gone = await _room_peer(9)
+    gone_url = str(gone.make_url("")).rstrip("/")
+    await gone.close()
+    servers += [roomy, full, junk, locked]
+    spill = Spill("m1", max_peers=5, api_key=b"k")
+    spill.peers = [
+        (name, str(s.make_url("")).rstrip("/"))
+        for name, s in (("roomy", roomy), ("full", full), ("junk", junk), ("locked", locked))
+    ] + [("gone", gone_url)]
+    waiting = Waiters(left=3)
+    assert await spill.hand_off_once(waiting) == 2
+    assert waiting.calls == [("roomy", 2)] and waiting.left == 1 and spill.handed_off == 2
+    nothing = Waiters(left=0)  # nothing waits: no peer is asked
+    assert await spill.hand_off_once(nothing) == 0 and nothing.calls == []
+    spill.max_peers = 0
+    assert await spill.hand_off_once(waiting) == 0 and waiting.calls == [("roomy", 2)]
+    await spill.close()
+
+
+async def test_the_room_a_master_reports_is_its_admission_s(servers: list[TestServer]) -> None:
+    server = await _room_peer(3)
+    servers.append(server)
+    async with aiohttp.ClientSession() as client, client.get(server.make_url(ROOM_PATH)) as resp:
+        assert resp.status == 200 and await resp.json() == {"free": 3}
+    app = web.Application()
+    app.router.add_get(ROOM_PATH, Spill("m", 0).room)  # no admission wired: no room
+    bare = TestServer(app, host="127.0.0.1")
+    await bare.start_server()
+    servers.append(bare)
+    async with aiohttp.ClientSession() as client, client.get(bare.make_url(ROOM_PATH)) as resp:
+        assert await resp.json() == {"free": 0}
+
+
+async def test_a_handed_off_request_goes_to_that_peer_and_says_how_long_it_waited(
+    servers: list[TestServer],
+) -> None:
+    seen: list[str] = []
+
+    def peer(name: str) -> Handler:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            seen.append(name)
+            return web.json_response({"ok": name}, headers={"X-Admission-Wait-Ms": "2.5"})
+
+        return handle
+
+    for name in ("a", "b", "c"):
+        servers.append(await _serve(peer(name)))
+    spill = Spill("m1", max_peers=3)
+    spill.peers = [(n, str(s.make_url("")).rstrip("/")) for n, s in zip("abc", servers, strict=True)]
+
+    async def handed(request: web.Request) -> web.StreamResponse:
+        answer = await spill.forward(request, await request.read(), to="b", waited_s=0.75)
+        assert answer is not None
+        return answer
+
+    origin = await _serve(handed)
+    servers.append(origin)
+    for _ in range(3):
+        async with (
+            aiohttp.ClientSession() as client,
+            client.post(origin.make_url("/v1/chat/completions"), json={}) as resp,
+        ):
+            assert resp.status == 200 and await resp.json() == {"ok": "b"}
+            assert resp.headers[SPILLED_TO_HEADER] == "b"
+            assert resp.headers["X-Admission-Wait-Ms"] == "752.5"  # 750 here, then 2.5 there
+    assert seen == ["b", "b", "b"]
     await spill.close()
