@@ -723,10 +723,15 @@ class AdmissionCore:
 
     def hand_off(self, t: Ticket) -> list[Ticket]:
         """Withdraw queued ``t``: another master starts it (``HANDED_OFF``). Should that master refuse,
-        the request comes back as a resubmission with ``t.deadline`` and goes first."""
+        the request comes back as a resubmission with ``t.deadline`` and goes first.
+
+        Its slots count in :meth:`completion_rate` as if released: the queue drains by hand-offs as
+        by this master's own completions, and an expected wait that saw only the latter would refuse
+        arrivals the peers' room is about to serve."""
         self._begin()
         if t.state is _QUEUED:
             self._finish(t, _CANCELLED, HANDED_OFF)
+            self._count_done(t.slots, self._now)
             self._pump()
         return self._end()
 
@@ -1145,6 +1150,16 @@ class AdmissionCore:
         self._end()
         return t
 
+    def _count_done(self, slots: int, now: float) -> None:
+        """``slots`` left for good: the completion rate's decayed sum."""
+        if self._done_n:
+            self._done_sum = self._done_sum * math.exp(-(now - self._done_at) / self._rate_tau) + slots
+        else:
+            self._done_sum = slots
+            self._done_first = now
+        self._done_at = now
+        self._done_n += 1
+
     def release(self, t: Ticket) -> list[Ticket]:
         """Return a granted lease's slots. Idempotent; a no-op for tickets that were never granted."""
         self._begin()
@@ -1156,13 +1171,7 @@ class AdmissionCore:
         if t.granted_at is not None:
             held = now - t.granted_at
             self._hold_ewma = held if self._hold_ewma is None else 0.9 * self._hold_ewma + 0.1 * held
-        if self._done_n:
-            self._done_sum = self._done_sum * math.exp(-(now - self._done_at) / self._rate_tau) + t.slots
-        else:
-            self._done_sum = t.slots
-            self._done_first = now
-        self._done_at = now
-        self._done_n += 1
+        self._count_done(t.slots, now)
         node = t.node
         if node is not None:
             self._active[node] -= t.slots

@@ -151,7 +151,7 @@ class RequestPipeline:
             ):
                 # It would wait here for room that a peer may have free now (pdmaster/spill.py). Not a
                 # continuation: here it goes before cold requests and finds its prefix cached.
-                spilled = await spill.forward(ctx.request, ctx.raw, self._cached(ctx))
+                spilled = await self._spill(ctx, spill)
                 if spilled is not None:
                     return spilled
                 spill = None  # the peers had no room: no second round after a refusal here
@@ -230,9 +230,7 @@ class RequestPipeline:
                 except HandedOff as exc:
                     # A peer reported room while this waited here (pdmaster/spill.py): go there.
                     assert self.spill is not None
-                    spilled = await self.spill.forward(
-                        ctx.request, ctx.raw, self._cached(ctx), to=exc.peer, waited_s=exc.waited_s
-                    )
+                    spilled = await self._spill(ctx, self.spill, to=exc.peer, waited_s=exc.waited_s)
                     if spilled is not None:
                         return spilled
                     deadline = exc.deadline  # it filled meanwhile: back here, first, by its deadline
@@ -240,7 +238,7 @@ class RequestPipeline:
                 except AdmissionRejected as exc:
                     if exc.code == EXPECTED_WAIT and spill is not None:
                         # refused before any work was done for it: a peer may have room now
-                        spilled = await spill.forward(ctx.request, ctx.raw, self._cached(ctx))
+                        spilled = await self._spill(ctx, spill)
                         if spilled is not None:
                             return spilled
                     raise RequestFailed(
@@ -272,9 +270,16 @@ class RequestPipeline:
         if start is not None:
             pt.observe(self._uncached_blocks(ctx), time.monotonic() - start - later)
 
-    @staticmethod
-    def _cached(ctx: RequestContext) -> dict[str, int] | None:
-        return dict(ctx.estimate.matches) if ctx.estimate is not None else None
+    async def _spill(
+        self, ctx: RequestContext, spill: Spill, *, to: str | None = None, waited_s: float | None = None
+    ) -> web.StreamResponse | None:
+        """``Spill.forward`` with what this master's prefix index knows of the prompt. A peer's answer
+        is the session's output as much as one from here: its next turn is a continuation here too."""
+        cached = dict(ctx.estimate.matches) if ctx.estimate is not None else None
+        answer = await spill.forward(ctx.request, ctx.raw, cached, to=to, waited_s=waited_s)
+        if answer is not None and answer.status == 200:
+            self.admission.observe_output(ctx.session_id)
+        return answer
 
     # -- stages ---------------------------------------------------------------------------------
     def classify(self, ctx: RequestContext) -> None:

@@ -18,13 +18,15 @@ from pdcoord.dev.cluster import LocalCluster
 pytestmark = pytest.mark.cluster
 
 
-def _stream(client: openai.OpenAI, words: int, tokens: int) -> tuple[str, str, str]:
+def _stream(
+    client: openai.OpenAI, words: int, tokens: int, session: str | None = None
+) -> tuple[str, str, str]:
     """('ok', the master that served it when not the one asked, else '', its admission wait in ms) or
     (the error code, '', '')."""
     try:
         raw = client.completions.with_raw_response.create(
             model="pdsim-model", prompt=" ".join(f"w{i}" for i in range(words)), max_tokens=tokens,
-            stream=True,
+            stream=True, extra_headers={"X-Session-Id": session} if session else None,
         )  # fmt: skip
         spilled_to = raw.headers.get("X-Spilled-To", "")
         wait_ms = raw.headers.get("X-Admission-Wait-Ms", "")
@@ -99,13 +101,20 @@ def test_a_waiting_request_is_handed_to_a_peer_whose_room_came_free(cluster: Loc
     outcomes: list[tuple[str, str, str]] = []
     while not _granted(m1.admission(), "handed_off") and time.monotonic() < deadline:
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
-            outcomes = list(pool.map(lambda _: _stream(client, 50, 10), range(12)))
+            outcomes = list(pool.map(lambda i: _stream(client, 50, 10, f"s{i}"), range(12)))
         codes = [code for code, _, _ in outcomes]
         assert set(codes) <= {"ok", "timeout"}, codes  # cold requests wait at most 5 s at m1
     handed = _granted(m1.admission(), "handed_off")
     assert handed > 0, m1.admission()["outcomes"]
     # the batch that saw the first hand-off holds it: its answer came from m2 and counts its wait at m1
     assert any(code == "ok" and to == "m2" and float(wait) > 0 for code, to, wait in outcomes), outcomes
+    # m2's answer was the session's output: its next turn is a continuation at m1 too
+    session = next(f"s{i}" for i, (code, to, _) in enumerate(outcomes) if code == "ok" and to == "m2")
+    raw = client.completions.with_raw_response.create(
+        model="pdsim-model", prompt="next turn", max_tokens=2, extra_headers={"X-Session-Id": session}
+    )
+    assert raw.headers.get("X-Spilled-To") is None  # m1 is idle now: served there
+    assert raw.headers["X-Admission-Class"] == "continuation"
     assert _granted(m2.admission()) >= handed
     assert _waited_s(m2.url) == 0.0  # m2 took each into room free then, queued none
     assert m1.admission()["queued_requests"] == 0

@@ -932,3 +932,26 @@ def test_free_now_is_the_room_one_first_time_request_could_take() -> None:
     core.submit(2, COLD)
     assert core.free_now() == 2
     assert make({}).free_now() == 0
+
+
+def test_a_hand_off_drains_the_queue_like_a_completion_in_the_expected_wait() -> None:
+    """The queue shrinks by hand-offs as by completions: the completion rate counts both, so arrivals
+    are not refused for a wait that the peers' room is shortening."""
+    clock = Clock()
+    core = make({"d1": 1}, clock, queue_waves=20)
+    for _ in range(8):
+        t = core.submit(1, COLD)
+        clock.now += 1.0
+        core.release(t)
+    core.submit(1, COLD)
+    waiting = [core.submit(1, COLD) for _ in range(3)]
+    assert all(t.state is Q for t in waiting)
+    before = core.completion_rate()
+    wait_before = core.expected_wait(COLD)
+    assert before is not None and wait_before is not None
+    core.hand_off(waiting[0])
+    core.hand_off(waiting[1])
+    after = core.completion_rate()
+    assert after is not None and after > before
+    wait_after = core.expected_wait(COLD)
+    assert wait_after is not None and wait_after < wait_before
