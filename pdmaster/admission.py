@@ -691,19 +691,19 @@ class AdmissionCore:
         return self._top_free()[0]
 
     def has_handoffs(self) -> bool:
-        """Whether a first-time request below the continuation class waits here as an eligible head
-        (cheap: what decides if asking the peers for room is worth it)."""
-        return any(q.heads_n for q in self._qlist[1:])
+        """Whether a first-time request waits here as an eligible head (cheap: what decides if asking
+        the peers for room is worth it)."""
+        return any(q.heads_n for q in self._qlist)
 
     def handoffs(self, max_slots: int, limit: int) -> list[Ticket]:
-        """Up to ``limit`` queued requests another master could start at once instead, oldest first:
-        eligible heads below the continuation class (a continuation goes first here), each of at
-        most ``max_slots`` slots, neither a resubmission nor behind its own session's turn nor part
-        of a gang. Looks only; :meth:`hand_off` takes one out."""
+        """Up to ``limit`` queued requests another master could start at once instead, the earliest
+        deadline first (the one closest to missing its target): eligible heads of any class, each of
+        at most ``max_slots`` slots, neither a resubmission nor behind its own session's turn nor
+        part of a gang. Looks only; :meth:`hand_off` takes one out."""
         out: list[Ticket] = []
         if limit <= 0 or max_slots <= 0:
             return out
-        for q in self._qlist[1:]:
+        for q in self._qlist:
             if not q.heads_n:
                 continue
             n = 0
@@ -718,7 +718,7 @@ class AdmissionCore:
                     n += 1
                     if n >= limit:
                         break
-        out.sort(key=lambda t: t.id)
+        out.sort(key=lambda t: (t.deadline, t.id))
         return out[:limit]
 
     def hand_off(self, t: Ticket) -> list[Ticket]:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Collection, Sequence
 
 from aiohttp import web
 
-from pdmaster.admission import EXPECTED_WAIT, RequestClass
+from pdmaster.admission import EXPECTED_WAIT
 from pdmaster.admission_controller import AdmissionController, AdmissionRejected, HandedOff, Lease
 from pdmaster.context import RequestContext, RequestFailed
 from pdmaster.engine import Dispatch, EngineError, EnginePool, EngineResponse
@@ -144,13 +144,10 @@ class RequestPipeline:
         spill = self.spill if self.spill is not None and self.spill.wanted(ctx.request) else None
         try:
             assert ctx.request_class is not None
-            if (
-                spill is not None
-                and ctx.request_class is not RequestClass.CONTINUATION
-                and self.admission.waits_for_room(ctx.parsed.slots, ctx.session_id)
-            ):
-                # It would wait here for room that a peer may have free now (pdmaster/spill.py). Not a
-                # continuation: here it goes before cold requests and finds its prefix cached.
+            if spill is not None and self.admission.waits_for_room(ctx.parsed.slots, ctx.session_id):
+                # It would wait here for room that a peer may have free now (pdmaster/spill.py). A
+                # continuation too: its prefix is cached in the engines, not here, and the peer is
+                # told where (X-Pdcoord-Cached).
                 spilled = await self._spill(ctx, spill)
                 if spilled is not None:
                     return spilled

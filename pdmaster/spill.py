@@ -5,8 +5,8 @@ burst that lands on one master waits or is refused there while another holds slo
 queued (four masters behind a 70/20/5/5 balancer: 1.4 of 16 slots, bench/README.md, Overload). A
 balancer that passes every 429 on cannot tell an immediate refusal from one after a wait, and sends
 the next master a request that is already late. The master can tell: with ``--spill-peers N`` a
-request that would wait here for room (``RequestPipeline.serve``: not a continuation, which goes first
-here and finds its prefix cached, nor one behind its own session's turn), or that is refused here with
+request that would wait here for room (``RequestPipeline.serve``; not one behind its own session's
+turn, which waits for that turn wherever it goes), or that is refused here with
 ``expected_wait`` (nothing done for it yet), is offered to up to N other masters in turn, marked with
 ``X-Pdcoord-Spilled``. A peer takes such a request only into room it has free now (``at_once`` in
 ``AdmissionCore.submit``: it never waits beside the peer's own clients, so it cannot be late there
@@ -18,13 +18,15 @@ order so that a burst spreads. ``X-Pdcoord-Cached`` carries what this master's p
 the prompt (blocks per prefill node): the peer's index has not seen this master's traffic, and without
 it routed spilled prompts as cold, away from the engine holding their prefix. The client's
 ``Authorization`` goes along (masters of one deployment share their API keys). A client that sets
-``X-Pdcoord-Spilled`` itself only restricts its own request.
+``X-Pdcoord-Spilled`` itself only restricts its own request. Continuations spill too: their prefix is
+cached in the engines, which every master shares, and the hint routes them there; a peer's answer
+counts as the session's output here, so the next turn is a continuation here as well.
 
 Spilling on arrival moves only what arrives while a peer has room; a request already queued here would
-never learn that a peer's slot came free a moment later. So while requests wait here (first-time ones
-below the continuation class, not behind their own session's turn), the master asks up to N peers every
-``HANDOFF_POLL_S`` how much room they have free now (``GET /spill/room``, one number, with this
-deployment's first API key), and hands its oldest such waiters that fit to a peer that has some
+never learn that a peer's slot came free a moment later. So while requests wait here (first-time ones,
+not behind their own session's turn), the master asks up to N peers every ``HANDOFF_POLL_S`` how much
+room they have free now (``GET /spill/room``, one number, with this deployment's first API key), and
+hands the waiters closest to their deadline that fit to a peer that has some
 (``AdmissionController.hand_off``): each leaves the queue and is forwarded there as above. Should that
 peer have filled in the meantime, the request comes back here as a resubmission with its deadline (it
 goes first, as a retried request does), so a hand-off never costs a request its place.

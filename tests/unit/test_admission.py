@@ -893,11 +893,12 @@ def test_waits_for_room_only_when_no_node_has_it_and_its_session_holds_nothing()
     assert core.waits_for_room(2)  # no node has two free
 
 
-def test_handoffs_are_the_oldest_first_time_waiters_below_continuations_that_fit() -> None:
-    """What a master may hand to a peer with free room (pdmaster/spill.py): first-time waiters of the
-    lower classes, oldest first, that fit the peer's room; never a continuation (it goes first here),
-    a request behind its own session's turn, or one that needs more than the room."""
-    core = make({"d1": 2}, queue_waves=20)
+def test_handoffs_are_the_first_time_waiters_closest_to_their_deadline_that_fit() -> None:
+    """What a master may hand to a peer with free room (pdmaster/spill.py): first-time waiters, the
+    earliest deadline first, that fit the peer's room; never a request behind its own session's turn
+    or one that needs more than the room."""
+    # class waits: continuations 3 s, probable hits 2 s, cold 4 s
+    core = make({"d1": 2}, queue_waves=20, max_wait_s={CONT: 3.0, PROB: 2.0, COLD: 4.0})
     assert core.free_now() == 2 and not core.has_handoffs()
     a = core.submit(1, COLD, "s1")
     core.submit(1, COLD, "s2")
@@ -909,8 +910,8 @@ def test_handoffs_are_the_oldest_first_time_waiters_below_continuations_that_fit
     g = core.submit(2, COLD, "s5")
     assert all(t.state is Q for t in (cont, behind, e, f, g))
     assert core.has_handoffs()
-    assert core.handoffs(1, 10) == [e, f]
-    assert core.handoffs(2, 10) == [e, f, g]
+    assert core.handoffs(1, 10) == [e, cont, f]
+    assert core.handoffs(2, 10) == [e, cont, f, g]
     assert core.handoffs(2, 1) == [e]
     assert core.handoffs(0, 10) == [] and core.handoffs(2, 0) == []
     queued = core.queued_requests
@@ -920,10 +921,11 @@ def test_handoffs_are_the_oldest_first_time_waiters_below_continuations_that_fit
     assert core.queued_requests == queued - 1
     assert core.snapshot()["outcomes"]["probable_cache_hit"]["handed_off"] == 1
     assert core.hand_off(e) == []  # once only
-    assert core.handoffs(2, 10) == [f, g]
+    assert core.handoffs(2, 10) == [cont, f, g]
     # the rest is served here as before: the continuation first, then s1's next turn
     assert granted(core.release(a)) == [cont]
     assert behind.state is Q
+    assert core.handoffs(2, 10) == [behind, f, g]  # its session's turn has come: it may go now
 
 
 def test_free_now_is_the_room_one_first_time_request_could_take() -> None:
