@@ -253,7 +253,8 @@ class MasterServer:
             self.master_id,
             cfg.spill_peers,
             metric=self.request_metrics.spilled,
-            free_now=self.admission.free_now,
+            # a draining master takes no new work: it has no room for its peers either
+            free_now=lambda: 0 if self.lifecycle.draining else self.admission.free_now(),
             api_key=self.api_keys[0] if self.api_keys else None,
         )
         self.pipeline = RequestPipeline(
