@@ -697,9 +697,9 @@ class AdmissionCore:
 
     def handoffs(self, max_slots: int, limit: int) -> list[Ticket]:
         """Up to ``limit`` queued requests another master could start at once instead, the earliest
-        deadline first (the one closest to missing its target): eligible heads of any class, each of
-        at most ``max_slots`` slots, neither a resubmission nor behind its own session's turn nor
-        part of a gang. Looks only; :meth:`hand_off` takes one out."""
+        deadline first (the one closest to missing its target) among each class's ``limit`` oldest:
+        eligible heads of any class, each of at most ``max_slots`` slots, neither a resubmission nor
+        behind its own session's turn nor part of a gang. Looks only; :meth:`hand_off` takes one out."""
         out: list[Ticket] = []
         if limit <= 0 or max_slots <= 0:
             return out

@@ -364,8 +364,9 @@ class AdmissionController:
         return bool(self._waiters) and self.core.has_handoffs()
 
     def hand_off(self, peer: str, free_slots: int) -> int:
-        """Hand the oldest waiters that fit in ``free_slots`` (a peer's room, ``free_now`` there) to
-        ``peer``: each one's ``acquire`` raises :class:`HandedOff`. Returns how many left."""
+        """Hand the waiters closest to their deadline that fit in ``free_slots`` (a peer's room,
+        ``free_now`` there) to ``peer``: each one's ``acquire`` raises :class:`HandedOff`. Returns how
+        many left."""
         core = self.core
         moved = 0
         for t in core.handoffs(free_slots, free_slots):
