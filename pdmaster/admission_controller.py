@@ -160,7 +160,7 @@ class Lease:
 
 class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
     # A plain class rather than @asynccontextmanager: no generator frame kept alive per waiter.
-    __slots__ = ("_args", "_at_once", "_avoid", "_controller", "_deadline", "_lead_s", "_lease", "_stays")
+    __slots__ = ("_args", "_at_once", "_avoid", "_controller", "_deadline", "_lead_s", "_lease")
 
     def __init__(
         self,
@@ -172,10 +172,8 @@ class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
         deadline: float | None,
         lead_s: float = 0.0,
         at_once: bool = False,
-        stays: bool = False,
     ) -> None:
         self._at_once = at_once
-        self._stays = stays
         self._controller = controller
         self._args = (slots, request_class, session_id)
         self._avoid = avoid
@@ -190,7 +188,6 @@ class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
             deadline=self._deadline,
             lead_s=self._lead_s,
             at_once=self._at_once,
-            stays=self._stays,
         )
         return self._lease
 
@@ -231,7 +228,6 @@ class AdmissionController:
         self._wait_children = metrics.wait_of
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._handed: dict[int, str] = {}  # ticket id -> the peer it was handed to (hand_off)
-        self._stay: set[int] = set()  # waiters never handed off (acquire's ``stays``)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._held_seen = self.core.held_until
@@ -253,16 +249,14 @@ class AdmissionController:
         deadline: float | None = None,
         lead_s: float = 0.0,
         at_once: bool = False,
-        stays: bool = False,
     ) -> contextlib.AbstractAsyncContextManager[Lease]:
         """``async with controller.acquire(n, cls, session) as lease:`` — the lease is released on exit.
 
         A retry passes the nodes that failed it (``avoid``) and the first lease's ``deadline``, a
         target that counts the prefill the request's expected ``lead_s``, and a request that takes
-        only room free now ``at_once``: see ``AdmissionCore.submit``. ``stays``: never handed to a
-        peer while it waits (``hand_off``; a request a peer sent here is never passed on).
+        only room free now ``at_once``: see ``AdmissionCore.submit``.
         """
-        return _LeaseContext(self, slots, request_class, session_id, avoid, deadline, lead_s, at_once, stays)
+        return _LeaseContext(self, slots, request_class, session_id, avoid, deadline, lead_s, at_once)
 
     async def acquire_lease(
         self,
@@ -274,7 +268,6 @@ class AdmissionController:
         deadline: float | None = None,
         lead_s: float = 0.0,
         at_once: bool = False,
-        stays: bool = False,
     ) -> Lease:
         """Wait for a lease; the caller must release it (prefer ``acquire``)."""
         core = self.core
@@ -286,8 +279,6 @@ class AdmissionController:
         if queued:
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters[t.id] = fut
-            if stays:
-                self._stay.add(t.id)
             try:
                 await fut
             except BaseException:
@@ -300,7 +291,6 @@ class AdmissionController:
                 raise
             finally:
                 self._waiters.pop(t.id, None)
-                self._stay.discard(t.id)
         if t.state is TicketState.GRANTED:
             return Lease(self, t)
         peer = self._handed.pop(t.id, None)
@@ -380,7 +370,7 @@ class AdmissionController:
         core = self.core
         moved = 0
         for t in core.handoffs(free_slots, free_slots):
-            if t.slots > free_slots or t.id not in self._waiters or t.id in self._stay:
+            if t.slots > free_slots or t.id not in self._waiters:
                 continue
             self._handed[t.id] = peer
             changes = core.hand_off(t)

@@ -34,7 +34,6 @@ class RequestContext:
     estimate: PrefixEstimate[str] | None = None
     request_class: RequestClass | None = None
     from_peer: bool = False  # another master spilled it here (X-Pdcoord-Spilled, pdmaster/spill.py)
-    peer_queues: bool = False  # ... after refusing it: it may queue here (X-Pdcoord-Spill-Queue)
     lease: Lease | None = None
     prefill: Node | None = None
     decode: Node | None = None

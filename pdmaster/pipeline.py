@@ -45,14 +45,7 @@ from pdmaster.prefill_time import PrefillTime
 from pdmaster.registry import Node
 from pdmaster.relay import NO_LEASE, relay_body, relay_parts_body, relay_parts_stream, relay_stream
 from pdmaster.routing import Router
-from pdmaster.spill import (
-    CACHED_HEADER,
-    SPILL_QUEUE_HEADER,
-    SPILLED_HEADER,
-    Spill,
-    parse_cached,
-    with_cached,
-)
+from pdmaster.spill import CACHED_HEADER, SPILLED_HEADER, Spill, parse_cached, with_cached
 from pdmaster.staged_admission import StagedAdmission, StagedLease
 
 __all__ = ["RequestPipeline"]
@@ -172,10 +165,7 @@ class RequestPipeline:
                         avoid=failed,
                         deadline=deadline,
                         lead_s=self._lead(ctx),
-                        # from a peer: only room free now, unless the peer refused it (then as one of
-                        # ours, by our target); never passed on (pdmaster/spill.py)
-                        at_once=ctx.from_peer and not ctx.peer_queues,
-                        stays=ctx.from_peer,
+                        at_once=ctx.from_peer,  # only room free now (pdmaster/spill.py)
                     ) as lease:
                         ctx.lease = lease
                         if self._staged is None and lease.node in failed:
@@ -244,9 +234,8 @@ class RequestPipeline:
                     continue
                 except AdmissionRejected as exc:
                     if exc.code == EXPECTED_WAIT and spill is not None:
-                        # refused before any work was done for it: a peer may have room now, or a
-                        # queue short enough for its target
-                        spilled = await self._spill(ctx, spill, queue=True)
+                        # refused before any work was done for it: a peer may have room now
+                        spilled = await self._spill(ctx, spill)
                         if spilled is not None:
                             return spilled
                     raise RequestFailed(
@@ -279,18 +268,12 @@ class RequestPipeline:
             pt.observe(self._uncached_blocks(ctx), time.monotonic() - start - later)
 
     async def _spill(
-        self,
-        ctx: RequestContext,
-        spill: Spill,
-        *,
-        to: str | None = None,
-        waited_s: float | None = None,
-        queue: bool = False,
+        self, ctx: RequestContext, spill: Spill, *, to: str | None = None, waited_s: float | None = None
     ) -> web.StreamResponse | None:
         """``Spill.forward`` with what this master's prefix index knows of the prompt. A peer's answer
         is the session's output as much as one from here: its next turn is a continuation here too."""
         cached = dict(ctx.estimate.matches) if ctx.estimate is not None else None
-        answer = await spill.forward(ctx.request, ctx.raw, cached, to=to, waited_s=waited_s, queue=queue)
+        answer = await spill.forward(ctx.request, ctx.raw, cached, to=to, waited_s=waited_s)
         if answer is not None and answer.status == 200:
             self.admission.observe_output(ctx.session_id)
         return answer
@@ -302,7 +285,6 @@ class RequestPipeline:
             parsed.input_ids if parsed.input_ids is not None else parsed.prompt_text
         )
         ctx.from_peer = SPILLED_HEADER in ctx.request.headers
-        ctx.peer_queues = ctx.from_peer and SPILL_QUEUE_HEADER in ctx.request.headers
         hint = ctx.request.headers.get(CACHED_HEADER) if ctx.from_peer else None
         if hint:  # where the spilling master saw the prompt's prefix cached
             ctx.estimate = with_cached(ctx.estimate, parse_cached(hint, ctx.estimate.total_blocks))

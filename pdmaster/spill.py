@@ -71,9 +71,6 @@ class HandsOff(Protocol):
 CACHED_HEADER = "X-Pdcoord-Cached"
 MAX_CACHED_NODES = 64
 SPILLED_HEADER = "X-Pdcoord-Spilled"
-# With SPILLED_HEADER: the origin refused it for its expected wait, so the peer admits it as one of its
-# own (it may queue there, within the peer's target) rather than only into room free now.
-SPILL_QUEUE_HEADER = "X-Pdcoord-Spill-Queue"
 SPILLED_TO_HEADER = "X-Spilled-To"  # on the answer: the master that served it
 WAIT_HEADER = "X-Admission-Wait-Ms"
 # Request headers a peer needs to treat the request as the client's own.
@@ -157,18 +154,14 @@ class Spill:
         *,
         to: str | None = None,
         waited_s: float | None = None,
-        queue: bool = False,
     ) -> web.StreamResponse | None:
         """The first peer answer that is not a refusal (429/503), streamed to the client; None when
         every peer tried refused or could not be reached (the caller sends its own refusal).
         ``cached``: the prompt's blocks this master's prefix index sees on each prefill node. ``to``:
         that peer only (a hand-off); ``waited_s``: what the request waited here (its answer's
-        ``X-Admission-Wait-Ms`` then says so rather than the peer's 0). ``queue``: the peer may queue
-        it by its own target (``SPILL_QUEUE_HEADER``)."""
+        ``X-Admission-Wait-Ms`` then says so rather than the peer's 0)."""
         headers = {h: request.headers[h] for h in _FORWARDED if h in request.headers}
         headers[SPILLED_HEADER] = self.master_id
-        if queue:
-            headers[SPILL_QUEUE_HEADER] = "1"
         top = sorted(((n, b) for n, b in (cached or {}).items() if b > 0), key=lambda kv: -kv[1])
         if top:
             headers[CACHED_HEADER] = ",".join(f"{node}={blocks}" for node, blocks in top[:MAX_CACHED_NODES])
@@ -186,10 +179,8 @@ class Spill:
                 continue
             try:
                 if resp.status in (429, 503):
-                    body = await resp.read()
+                    await resp.read()
                     self._count("refused")
-                    if queue and _error_code(body) == "timeout":
-                        return None  # it waited its target out there: too late for another peer
                     continue
                 self._count("taken")
                 return await self._relay(request, resp, peer_id, waited_s)
@@ -264,17 +255,6 @@ class Spill:
                 await self.hand_off_once(admission)
             except Exception:  # a bug here must not stop spilling for the master's lifetime
                 log.exception("handing waiters to peers failed")
-
-
-def _error_code(body: bytes) -> str | None:
-    """The ``error.code`` of an OpenAI-style error body, if it is one."""
-    try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    err = doc.get("error") if isinstance(doc, dict) else None
-    code = err.get("code") if isinstance(err, dict) else None
-    return code if isinstance(code, str) else None
 
 
 def parse_cached(header: str, total_blocks: int) -> dict[str, int]:

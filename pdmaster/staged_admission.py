@@ -194,7 +194,6 @@ class StagedAdmission(AdmissionController):
         deadline: float | None = None,
         lead_s: float = 0.0,
         at_once: bool = False,
-        stays: bool = False,  # nothing is handed off from two-stage admission
     ) -> contextlib.AbstractAsyncContextManager[Lease]:
         """``async with admission.acquire(...) as gate_pass``: the first stage (see the module)."""
         return _PassContext(

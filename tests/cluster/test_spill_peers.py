@@ -19,21 +19,14 @@ pytestmark = pytest.mark.cluster
 
 
 def _stream(
-    client: openai.OpenAI,
-    words: int,
-    tokens: int,
-    session: str | None = None,
-    headers: dict[str, str] | None = None,
+    client: openai.OpenAI, words: int, tokens: int, session: str | None = None
 ) -> tuple[str, str, str]:
     """('ok', the master that served it when not the one asked, else '', its admission wait in ms) or
     (the error code, '', '')."""
-    extra = dict(headers or {})
-    if session:
-        extra["X-Session-Id"] = session
     try:
         raw = client.completions.with_raw_response.create(
             model="pdsim-model", prompt=" ".join(f"w{i}" for i in range(words)), max_tokens=tokens,
-            stream=True, extra_headers=extra or None,
+            stream=True, extra_headers={"X-Session-Id": session} if session else None,
         )  # fmt: skip
         spilled_to = raw.headers.get("X-Spilled-To", "")
         wait_ms = raw.headers.get("X-Admission-Wait-Ms", "")
@@ -84,10 +77,13 @@ def test_a_request_refused_for_its_expected_wait_is_served_by_a_peer_with_room(c
         spilled = [(to, wait) for code, to, wait in outcomes if code == "ok" and to]
     assert spilled and {to for to, _ in spilled} == {"m2"}, outcomes
     assert _granted(m2.admission()) - before >= len(spilled)
-    # m2 took what m1 would make wait into room free now, and what m1 refused as one of its own (it
-    # may queue there by m2's target), and passed none of them on
+    # m2 queued none of them: a spilled request takes room free now (granted in the call that
+    # submitted it: a wait of 0) or is refused at once, so none timed out there either. (An answer's
+    # X-Admission-Wait-Ms counts a wait at m1 too when m1 had queued it before a hand-off.)
     assert all(float(wait) >= 0.0 for _, wait in spilled), spilled
-    assert _granted(m2.admission(), "handed_off") == 0
+    assert _waited_s(m2.url) == 0.0
+    outcomes_m2 = m2.admission()["outcomes"]
+    assert not any(by_class.get("timeout") for by_class in outcomes_m2.values()), outcomes_m2
 
 
 def test_a_waiting_request_is_handed_to_a_peer_whose_room_came_free(cluster: LocalCluster) -> None:
@@ -122,20 +118,3 @@ def test_a_waiting_request_is_handed_to_a_peer_whose_room_came_free(cluster: Loc
     assert _granted(m2.admission()) >= handed
     assert _waited_s(m2.url) == 0.0  # m2 took each into room free then, queued none
     assert m1.admission()["queued_requests"] == 0
-    # What m2 does with requests a peer sent it, 8 at once against its at most 4 slots: those a peer
-    # would have made wait take only room free now (the rest refused at once); those a peer refused
-    # may queue at m2 as its own. Neither kind is ever passed on, though m1 has room.
-    to_m2 = openai.OpenAI(base_url=m2.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    # (m2's own rules: its queue bound too)
-    for queue, allowed in ((False, {"ok", "expected_wait"}), (True, {"ok", "queue_full"})):
-        headers = {"X-Pdcoord-Spilled": "m1", **({"X-Pdcoord-Spill-Queue": "1"} if queue else {})}
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            sent = list(pool.map(lambda _, h=headers: _stream(to_m2, 50, 10, headers=h), range(8)))
-        assert {code for code, _, _ in sent} <= allowed, sent
-        assert not any(to for _, to, _ in sent), sent
-        if queue:
-            assert any(float(wait) > 0 for _, _, wait in sent), sent  # some waited at m2
-        else:
-            assert all(float(wait) == 0 for code, _, wait in sent if code == "ok"), sent
-            assert any(code == "expected_wait" for code, _, _ in sent), sent
-    assert _granted(m2.admission(), "handed_off") == 0

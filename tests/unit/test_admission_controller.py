@@ -410,20 +410,3 @@ async def test_a_waiter_handed_to_a_peer_leaves_and_comes_back_first_by_its_dead
     lease.release()
     (await asyncio.wait_for(second, 1)).release()
     assert not ctl.has_handoffs() and ctl.free_now() == 1 and not ctl._handed
-
-
-async def test_a_waiter_that_stays_is_never_handed_off() -> None:
-    """A request a peer sent here may queue (it was refused there) but is never passed on again."""
-    ctl = make({"d1": 1}, queue_waves=20)
-    holder = await ctl.acquire_lease()
-    pinned = asyncio.create_task(ctl.acquire_lease(request_class=COLD, stays=True))
-    await settle()
-    mine = asyncio.create_task(ctl.acquire_lease(request_class=COLD))
-    await settle()
-    assert ctl.hand_off("m2", 5) == 1  # only the second
-    with pytest.raises(HandedOff):
-        await asyncio.wait_for(mine, 1)
-    assert not pinned.done() and ctl.hand_off("m2", 5) == 0
-    holder.release()
-    (await asyncio.wait_for(pinned, 1)).release()
-    assert not ctl._stay

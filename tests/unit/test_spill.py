@@ -21,7 +21,6 @@ from pdmaster.prefix_index import PrefixEstimate
 from pdmaster.spill import (
     CACHED_HEADER,
     ROOM_PATH,
-    SPILL_QUEUE_HEADER,
     SPILLED_HEADER,
     SPILLED_TO_HEADER,
     Spill,
@@ -329,51 +328,4 @@ async def test_a_handed_off_request_goes_to_that_peer_and_says_how_long_it_waite
             assert resp.headers[SPILLED_TO_HEADER] == "b"
             assert resp.headers["X-Admission-Wait-Ms"] == "752.5"  # 750 here, then 2.5 there
     assert seen == ["b", "b", "b"]
-    await spill.close()
-
-
-async def test_a_request_refused_here_may_queue_at_a_peer_but_never_after_it_waited_there(
-    servers: list[TestServer],
-) -> None:
-    """``queue=True`` (the origin refused it for its expected wait): the peer is told it may queue it
-    by its own target; a peer that refused at once passes the turn to the next, one whose refusal
-    came after the request waited its target out there ends the round (it is too late elsewhere)."""
-    seen: list[tuple[str, str | None]] = []
-
-    def peer(name: str, code: str) -> Handler:
-        async def handle(request: web.Request) -> web.StreamResponse:
-            seen.append((name, request.headers.get(SPILL_QUEUE_HEADER)))
-            return web.json_response({"error": {"code": code}}, status=429)
-
-        return handle
-
-    servers.append(await _serve(peer("waited", "timeout")))
-    servers.append(await _serve(peer("full", "expected_wait")))
-    spill = Spill("m1", max_peers=2)
-    spill.peers = [
-        (n, str(s.make_url("")).rstrip("/")) for n, s in zip(("waited", "full"), servers, strict=True)
-    ]
-
-    async def refused_here(request: web.Request) -> web.StreamResponse:
-        answer = await spill.forward(request, await request.read(), queue=request.query.get("q") == "1")
-        return answer or web.json_response({"error": {"code": "expected_wait"}}, status=429)
-
-    origin = await _serve(refused_here)
-    servers.append(origin)
-    for _ in range(6):  # random order: sometimes the full peer comes first
-        seen.clear()
-        async with (
-            aiohttp.ClientSession() as client,
-            client.post(origin.make_url("/v1/chat/completions?q=1"), json={}) as resp,
-        ):
-            assert resp.status == 429
-        assert all(q == "1" for _, q in seen)
-        assert seen in ([("waited", "1")], [("full", "1"), ("waited", "1")]), seen
-        seen.clear()
-        async with (
-            aiohttp.ClientSession() as client,
-            client.post(origin.make_url("/v1/chat/completions"), json={}) as resp,
-        ):
-            assert resp.status == 429
-        assert sorted(seen) == [("full", None), ("waited", None)]  # room only: both asked, no queue
     await spill.close()
