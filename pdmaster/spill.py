@@ -233,7 +233,8 @@ class Spill:
 
     async def hand_off_once(self, admission: HandsOff) -> int:
         """Ask up to N peers for their room (only while something waits here that could move) and hand
-        the oldest waiters that fit to those that have some; returns how many were handed off."""
+        the waiters closest to their deadline that fit to those that have some; returns how many were
+        handed off."""
         if not (self.max_peers and self.peers) or not admission.has_handoffs():
             return 0
         peers = list(self.peers)
