@@ -372,12 +372,8 @@ class AdmissionController:
         for t in core.handoffs(free_slots, free_slots):
             if t.slots > free_slots or t.id not in self._waiters:
                 continue
-            self._handed[t.id] = peer
-            changes = core.hand_off(t)
-            if t.state is TicketState.QUEUED:  # defensive: the core kept it
-                self._handed.pop(t.id, None)
-                continue
-            self._apply(changes)
+            self._handed[t.id] = peer  # handoffs() lists only queued tickets: hand_off ends each one
+            self._apply(core.hand_off(t))
             free_slots -= t.slots
             moved += 1
         return moved
