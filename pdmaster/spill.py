@@ -118,7 +118,6 @@ class Spill:
         self.master_id = master_id
         self.free_now = free_now  # this master's room for its peers' waiters (GET /spill/room)
         self._probe_headers = {"Authorization": "Bearer " + api_key.decode()} if api_key else {}
-        self.handed_off = 0  # waiters handed to a peer's room (whether it then took them or not)
         self.max_peers = max_peers
         self.peers: list[tuple[str, str]] = []  # (master id, HTTP base URL)
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0, sock_read=timeout_s)
@@ -245,7 +244,6 @@ class Spill:
         for (peer_id, _), free in zip(peers, rooms, strict=True):
             if free and admission.has_handoffs():
                 moved += admission.hand_off(peer_id, free)
-        self.handed_off += moved
         return moved
 
     async def run_handoffs(self, admission: HandsOff, poll_s: float = HANDOFF_POLL_S) -> None:

@@ -305,6 +305,10 @@ class StagedAdmission(AdmissionController):
         assert self.gate is not None  # the first stage is where a request waits
         return self.gate.waits_for_room(slots, session_id)
 
+    def free_now(self) -> int:
+        assert self.gate is not None  # ... and where a peer's request is admitted at once
+        return self.gate.free_now()
+
     def snapshot(self) -> dict[str, Any]:
         snap = super().snapshot()
         assert self.gate is not None

@@ -273,7 +273,7 @@ async def test_waiters_are_handed_to_the_peers_that_report_room(servers: list[Te
     ] + [("gone", gone_url)]
     waiting = Waiters(left=3)
     assert await spill.hand_off_once(waiting) == 2
-    assert waiting.calls == [("roomy", 2)] and waiting.left == 1 and spill.handed_off == 2
+    assert waiting.calls == [("roomy", 2)] and waiting.left == 1
     nothing = Waiters(left=0)  # nothing waits: no peer is asked
     assert await spill.hand_off_once(nothing) == 0 and nothing.calls == []
     spill.max_peers = 0

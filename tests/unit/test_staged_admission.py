@@ -251,3 +251,15 @@ async def test_the_lookahead_follows_the_prefill_time_times_the_completion_rate(
     snap = long.snapshot()
     assert snap["lookahead_slots"] == 8 and snap["gate"]["capacity"] == 16
     assert snap["prefill_mean_s"] == pytest.approx(0.95)
+
+
+async def test_the_room_a_two_stage_master_reports_to_peers_is_its_gate_s() -> None:
+    """A peer's request is admitted at the gate (at once), so the room it reports is the gate's:
+    capacity plus lookahead, not the decode stage's free slots."""
+    adm = make({"d1": 2, "d2": 2}, lookahead=0.5)  # gate: one node of 6
+    assert adm.free_now() == 6 and adm.core.free_now() == 2
+    passes = [await adm.acquire_pass(1, COLD) for _ in range(4)]
+    assert adm.free_now() == 2
+    for p in passes:
+        p.release()
+    assert adm.free_now() == 6
