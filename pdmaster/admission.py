@@ -122,6 +122,9 @@ OUTCOMES: tuple[str, ...] = (
 MIN_TARGET_WAIT_S = 0.05
 # Releases seen before the completion rate is trusted to refuse anyone (see AdmissionPolicy.target_wait_s).
 RATE_MIN_RELEASES = 8
+# How long the masters' pooled load (set_peer_load) counts in the expected wait: their reports come every
+# few tens of milliseconds while requests wait here; an older one describes a queue that has moved on.
+PEER_LOAD_TTL_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +133,23 @@ class Reason:
 
     code: str
     retry_after_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLoad:
+    """A master's load as its peers pool it (``/spill/room``, ``pdmaster.spill``), or several summed:
+    room one request could start in at once, queued slots per class, and the slots per second it serves
+    (its completion rate without what it handed to others, which the taker counts)."""
+
+    free: int = 0
+    queued: Mapping[RequestClass, int] = field(default_factory=dict)
+    rate: float = 0.0
+
+    def __add__(self, other: PeerLoad) -> PeerLoad:
+        q = dict(self.queued)
+        for c, n in other.queued.items():
+            q[c] = q.get(c, 0) + n
+        return PeerLoad(self.free + other.free, q, self.rate + other.rate)
 
 
 def _default_weights() -> dict[RequestClass, float]:
@@ -575,6 +595,12 @@ class AdmissionCore:
         self._done_at = 0.0
         self._done_first = 0.0  # when the first release was seen (for the start-up correction)
         self._done_n = 0  # releases seen
+        self._handed_sum = 0.0  # the part of _done_sum that went to peers (hand_off), as of _handed_at
+        self._handed_at = 0.0
+        # The peers' pooled load (set_peer_load) and when it was set: while fresh, an arrival's
+        # expected wait is judged over this master and those peers together.
+        self._peer_load: PeerLoad | None = None
+        self._peer_load_at = -math.inf
         self._changes: list[Ticket] = []
         self._now = 0.0
         self.last_changes: list[Ticket] = []
@@ -731,7 +757,10 @@ class AdmissionCore:
         self._begin()
         if t.state is _QUEUED:
             self._finish(t, _CANCELLED, HANDED_OFF)
-            self._count_done(t.slots, self._now)
+            self._count_done(t.slots, self._now, handed=True)
+            pl = self._peer_load
+            if pl is not None:  # it takes the peers' room it goes to
+                self._peer_load = PeerLoad(max(0, pl.free - t.slots), pl.queued, pl.rate)
             self._pump()
         return self._end()
 
@@ -780,13 +809,15 @@ class AdmissionCore:
         class's target when one is set."""
         return self._waits[c]
 
-    def completion_rate(self, now: float | None = None) -> float | None:
+    def completion_rate(self, now: float | None = None, *, handed: bool = True) -> float | None:
         """Slots released per second, lately; None before :data:`RATE_MIN_RELEASES` releases.
 
         The larger of two estimates, so that a stale one never refuses anyone: the released slots
         decayed with time constant ``rate_window_s`` (corrected for a history shorter than that), and
         Little's law on the leases running now (active slots ÷ the mean hold time), which sees the
         turnover of a fleet that has just filled up before many of its leases have ended.
+        ``handed=False``: without the slots handed to peers (:meth:`hand_off`), i.e. what this master
+        serves itself.
         """
         if self._done_n < RATE_MIN_RELEASES:
             return None
@@ -796,10 +827,40 @@ class AdmissionCore:
         span = 1.0 - math.exp(-(now - self._done_first) / tau)
         if span <= 0.0:
             return math.inf
-        rate = self._done_sum * math.exp(-(now - self._done_at) / tau) / (tau * span)
+        done = self._done_sum * math.exp(-(now - self._done_at) / tau)
+        if not handed and self._handed_sum:
+            done = max(0.0, done - self._handed_sum * math.exp(-(now - self._handed_at) / tau))
+        rate = done / (tau * span)
         if self._hold_ewma:
             rate = max(rate, self._active_total / self._hold_ewma)
         return rate
+
+    def load(self) -> PeerLoad:
+        """This master's load for its peers' pooled expected wait (see :class:`PeerLoad`)."""
+        rate = self.completion_rate(handed=False)
+        return PeerLoad(
+            self.free_now(),
+            {q.cls: q.slots for q in self._qlist if q.slots},
+            rate if rate is not None and math.isfinite(rate) else 0.0,
+        )
+
+    def _peer_load_view(self) -> dict[str, Any] | None:
+        pl = self._peer_load
+        if pl is None or self._clock() - self._peer_load_at > PEER_LOAD_TTL_S:
+            return None
+        return {
+            "free": pl.free,
+            "queued_slots": sum(pl.queued.values()),
+            "rate_slots_per_s": _rounded(pl.rate),
+        }
+
+    def set_peer_load(self, load: PeerLoad | None) -> None:
+        """The summed load of the peers this master hands waiters to (None: none known). For
+        :data:`PEER_LOAD_TTL_S` after, :meth:`expected_wait` judges an arrival over them and this master
+        together, as one master over their slots would: their queues stand ahead of it as this master's
+        do, their free room and the slots they serve drain this queue too (hand-offs)."""
+        self._peer_load = load
+        self._peer_load_at = self._clock()
 
     def expected_wait(self, c: RequestClass, slots: int = 1, now: float | None = None) -> float | None:
         """Seconds an arrival of class ``c`` needing ``slots`` would wait; None: no estimate yet.
@@ -811,19 +872,43 @@ class AdmissionCore:
         after). Plus its own slots, minus the slots free now, over :meth:`completion_rate`. Arrivals
         after it (a higher class may still pass it) and session or gang blocking are left out: the
         estimate errs towards admitting. O(1): running totals per class.
+
+        With a fresh peer load (:meth:`set_peer_load`) the queues, the free slots and the rate are
+        this master's and the peers' summed (the rate without hand-offs, which the peers serve):
+        a clump that landed here is judged against the turnover of every master it can move to.
         """
-        qs = self._qlist
+        if now is None:
+            now = self._clock()
         w = self._weights
-        own = self._queues[c].slots
-        turn = own + slots
-        ahead = float(own)
-        for q in qs:
-            if q.cls is not c and q.slots:
-                ahead += min(q.slots, turn * w[q.cls] / w[c])
-        need = ahead + slots - max(0, self._capacity - self._active_total)
-        if need <= 0:
-            return 0.0
-        rate = self.completion_rate(now)
+        free = self._capacity - self._active_total
+        rate: float | None
+        pl = self._peer_load
+        if pl is not None and now - self._peer_load_at <= PEER_LOAD_TTL_S:
+            pq = pl.queued
+            own = self._queues[c].slots + pq.get(c, 0)
+            turn = own + slots
+            ahead = float(own)
+            for q in self._qlist:
+                if q.cls is not c:
+                    n = q.slots + pq.get(q.cls, 0)
+                    if n:
+                        ahead += min(n, turn * w[q.cls] / w[c])
+            need = ahead + slots - max(0, free) - pl.free
+            if need <= 0:
+                return 0.0
+            mine = self.completion_rate(now, handed=False)
+            rate = (mine or 0.0) + pl.rate
+        else:
+            own = self._queues[c].slots
+            turn = own + slots
+            ahead = float(own)
+            for q in self._qlist:
+                if q.cls is not c and q.slots:
+                    ahead += min(q.slots, turn * w[q.cls] / w[c])
+            need = ahead + slots - max(0, free)
+            if need <= 0:
+                return 0.0
+            rate = self.completion_rate(now)
         if rate is None or rate <= 0.0:
             return None
         return need / rate
@@ -847,6 +932,7 @@ class AdmissionCore:
             "placement_held_s": round(max(0.0, self._hold_until - self._clock()), 3),
             "pauses": self.pauses,
             "completion_rate_slots_per_s": _rounded(self.completion_rate()),
+            "peer_load": self._peer_load_view(),
             "classes": {
                 c.value: {
                     "queued_requests": self._queues[c].n,
@@ -1150,8 +1236,12 @@ class AdmissionCore:
         self._end()
         return t
 
-    def _count_done(self, slots: int, now: float) -> None:
-        """``slots`` left for good: the completion rate's decayed sum."""
+    def _count_done(self, slots: int, now: float, handed: bool = False) -> None:
+        """``slots`` left for good: the completion rate's decayed sum (``handed``: to a peer)."""
+        if handed:
+            tau = self._rate_tau
+            self._handed_sum = self._handed_sum * math.exp(-(now - self._handed_at) / tau) + slots
+            self._handed_at = now
         if self._done_n:
             self._done_sum = self._done_sum * math.exp(-(now - self._done_at) / self._rate_tau) + slots
         else:

@@ -34,6 +34,7 @@ from pdmaster.admission import (
     UNSATISFIABLE,
     AdmissionCore,
     AdmissionPolicy,
+    PeerLoad,
     RequestClass,
     Ticket,
     TicketState,
@@ -358,6 +359,15 @@ class AdmissionController:
     def free_now(self) -> int:
         """``AdmissionCore.free_now``: what a peer master may hand this one."""
         return self.core.free_now()
+
+    def load(self) -> PeerLoad:
+        """``AdmissionCore.load``, with the room peers' waiters are admitted into (``free_now``)."""
+        load = self.core.load()
+        return PeerLoad(self.free_now(), load.queued, load.rate)
+
+    def set_peer_load(self, load: PeerLoad | None) -> None:
+        """``AdmissionCore.set_peer_load``: the peers this master hands waiters to, summed."""
+        self.core.set_peer_load(load)
 
     def has_handoffs(self) -> bool:
         """Whether a waiter here could start at a peer with room (``AdmissionCore.has_handoffs``)."""

@@ -32,6 +32,7 @@ from pdcoord.keys import Keys
 from pdcoord.registration import AlreadyRegistered, Registration
 from pdcoord.retry import Outage, register_with_retry
 from pdcoord.v1 import coordination_pb2_grpc as pb_grpc
+from pdmaster.admission import PeerLoad
 from pdmaster.anchor import Anchor
 from pdmaster.api import ControlRoutes, OpenAIRoutes, api_key_middleware, harden_aiohttp, load_api_keys
 from pdmaster.config import MasterConfig
@@ -254,7 +255,7 @@ class MasterServer:
             cfg.spill_peers,
             metric=self.request_metrics.spilled,
             # a draining master takes no new work: it has no room for its peers either
-            free_now=lambda: 0 if self.lifecycle.draining else self.admission.free_now(),
+            load_now=lambda: PeerLoad() if self.lifecycle.draining else self.admission.load(),
             api_key=self.api_keys[0] if self.api_keys else None,
         )
         self.pipeline = RequestPipeline(

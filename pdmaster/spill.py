@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 from collections.abc import Callable, Mapping
 from typing import Protocol
@@ -45,12 +46,15 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import Counter
 
+from pdmaster.admission import CLASS_ORDER, PeerLoad, RequestClass
 from pdmaster.prefix_index import PrefixEstimate
 
 log = logging.getLogger(__name__)
 
 RESULTS = ("taken", "refused", "unreachable")
-ROOM_PATH = "/spill/room"  # a master's free room now, for its peers: {"free": slots}
+# A master's load now, for its peers: {"free": slots, "queued": {class: slots}, "rate": slots/s}
+# (``PeerLoad``; "free" alone, from a master that reports nothing else, is room without a load).
+ROOM_PATH = "/spill/room"
 # How often a master with waiting requests asks its peers for room: a slot that comes free at a peer
 # idles at most about this long before a waiter here takes it (decode leases last seconds).
 HANDOFF_POLL_S = 0.05
@@ -63,6 +67,8 @@ class HandsOff(Protocol):
     def has_handoffs(self) -> bool: ...
 
     def hand_off(self, peer: str, free_slots: int) -> int: ...
+
+    def set_peer_load(self, load: PeerLoad | None) -> None: ...
 
 
 # What the spilling master's prefix index knows of the prompt: "node=blocks,..." per prefill node. A
@@ -109,14 +115,14 @@ class Spill:
         *,
         timeout_s: float = 300.0,
         metric: Counter | None = None,
-        free_now: Callable[[], int] | None = None,
+        load_now: Callable[[], PeerLoad] | None = None,
         api_key: bytes | None = None,
     ) -> None:
         if max_peers < 0:
             raise ValueError("max_peers must be >= 0")
         self.metric = metric  # pdcoord_spilled_requests{result}
         self.master_id = master_id
-        self.free_now = free_now  # this master's room for its peers' waiters (GET /spill/room)
+        self.load_now = load_now  # this master's room and load for its peers (GET /spill/room)
         self._probe_headers = {"Authorization": "Bearer " + api_key.decode()} if api_key else {}
         self.max_peers = max_peers
         self.peers: list[tuple[str, str]] = []  # (master id, HTTP base URL)
@@ -215,35 +221,47 @@ class Spill:
 
     # -- hand-offs of waiting requests ------------------------------------------------------------
     async def room(self, _request: web.Request) -> web.Response:
-        """``GET /spill/room``: the slots a peer's waiter could start here now."""
-        return web.json_response({"free": self.free_now() if self.free_now is not None else 0})
+        """``GET /spill/room``: the slots a peer's waiter could start here now, what waits here and
+        what this master serves (see ``ROOM_PATH``)."""
+        load = self.load_now() if self.load_now is not None else PeerLoad()
+        return web.json_response(
+            {
+                "free": load.free,
+                "queued": {c.value: n for c, n in load.queued.items() if n > 0},
+                "rate": round(load.rate, 4),
+            }
+        )
 
-    async def _peer_room(self, base: str) -> int:
+    async def _peer_room(self, base: str) -> PeerLoad | None:
+        """A peer's ``/spill/room``; None when it cannot be read (it counts as no room)."""
         try:
             async with self._client().get(
                 base + ROOM_PATH, headers=self._probe_headers, timeout=_ROOM_TIMEOUT
             ) as r:
                 if r.status != 200:
-                    return 0
-                free = (await r.json()).get("free")
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError):
-            return 0
-        return free if isinstance(free, int) and not isinstance(free, bool) and free > 0 else 0
+                    return None
+                doc = await r.json()
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            return None
+        return parse_load(doc)
 
     async def hand_off_once(self, admission: HandsOff) -> int:
-        """Ask up to N peers for their room (only while something waits here that could move) and hand
-        the waiters closest to their deadline that fit to those that have some; returns how many were
-        handed off."""
+        """Ask up to N peers for their room (only while something waits here that could move), tell
+        admission their summed load (its expected wait judges arrivals over them too) and hand the
+        waiters closest to their deadline that fit to those with room; returns how many were handed
+        off."""
         if not (self.max_peers and self.peers) or not admission.has_handoffs():
             return 0
         peers = list(self.peers)
         random.shuffle(peers)
         peers = peers[: self.max_peers]
-        rooms = await asyncio.gather(*(self._peer_room(base) for _, base in peers))
+        loads = await asyncio.gather(*(self._peer_room(base) for _, base in peers))
+        known = [load for load in loads if load is not None]
+        admission.set_peer_load(sum(known, PeerLoad()) if known else None)
         moved = 0
-        for (peer_id, _), free in zip(peers, rooms, strict=True):
-            if free and admission.has_handoffs():
-                moved += admission.hand_off(peer_id, free)
+        for (peer_id, _), load in zip(peers, loads, strict=True):
+            if load is not None and load.free and admission.has_handoffs():
+                moved += admission.hand_off(peer_id, load.free)
         return moved
 
     async def run_handoffs(self, admission: HandsOff, poll_s: float = HANDOFF_POLL_S) -> None:
@@ -254,6 +272,26 @@ class Spill:
                 await self.hand_off_once(admission)
             except Exception:  # a bug here must not stop spilling for the master's lifetime
                 log.exception("handing waiters to peers failed")
+
+
+def _slots_of(x: object) -> int:
+    return x if isinstance(x, int) and not isinstance(x, bool) and x > 0 else 0
+
+
+def parse_load(doc: object) -> PeerLoad | None:
+    """A peer's ``/spill/room`` answer as a :class:`PeerLoad`; None unless it is a JSON object. Fields
+    that are missing or malformed count as nothing (no room, nothing queued, no rate)."""
+    if not isinstance(doc, dict):
+        return None
+    raw_q = doc.get("queued")
+    queued: dict[RequestClass, int] = {}
+    if isinstance(raw_q, dict):
+        for c in CLASS_ORDER:
+            if n := _slots_of(raw_q.get(c.value)):
+                queued[c] = n
+    raw_rate = doc.get("rate")
+    rate = float(raw_rate) if isinstance(raw_rate, (int, float)) and not isinstance(raw_rate, bool) else 0.0
+    return PeerLoad(_slots_of(doc.get("free")), queued, rate if math.isfinite(rate) and rate > 0 else 0.0)
 
 
 def parse_cached(header: str, total_blocks: int) -> dict[str, int]:

@@ -45,7 +45,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from pdmaster.admission import CLASS_ORDER, GRANTED, OUTCOMES, AdmissionPolicy, RequestClass
+from pdmaster.admission import CLASS_ORDER, GRANTED, OUTCOMES, AdmissionPolicy, PeerLoad, RequestClass
 from pdmaster.admission_controller import (
     HTTP_STATUS,
     MESSAGES,
@@ -308,6 +308,10 @@ class StagedAdmission(AdmissionController):
     def free_now(self) -> int:
         assert self.gate is not None  # ... and where a peer's request is admitted at once
         return self.gate.free_now()
+
+    def load(self) -> PeerLoad:
+        assert self.gate is not None  # the gate holds the queue a peer's request joins
+        return self.gate.load()
 
     def snapshot(self) -> dict[str, Any]:
         snap = super().snapshot()

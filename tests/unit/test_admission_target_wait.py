@@ -11,9 +11,11 @@ from pdcoord.config import EnvArgumentParser
 from pdmaster.admission import (
     EXPECTED_WAIT,
     OUTCOMES,
+    PEER_LOAD_TTL_S,
     RATE_MIN_RELEASES,
     AdmissionCore,
     AdmissionPolicy,
+    PeerLoad,
     RequestClass,
     Ticket,
     TicketState,
@@ -337,3 +339,47 @@ def test_a_queued_request_waits_only_what_its_prefill_leaves_of_the_target() -> 
     core.expire()
     assert long_prompt.state is not Q and long_prompt.reason is not None
     assert short_prompt.state is Q
+
+
+def test_with_the_peers_load_the_expected_wait_is_the_pooled_one() -> None:
+    """Masters that hand waiters to each other (``--spill-peers``) judge an arrival over all of them:
+    their queues stand ahead of it, their free room and the slots they serve drain this queue too."""
+    clock = Clock()
+    core = make(clock, 5.0)
+    warm(core, clock, hold=10.0)
+    fill(core)  # 0.2 slots/s here
+    assert core.submit(1, COLD).state is Q
+    assert core.expected_wait(COLD) == pytest.approx(10.0, rel=0.01)  # alone: refused
+    assert core.submit(1, COLD).state is R
+    core.set_peer_load(PeerLoad(free=1, rate=0.8))
+    # one queued + its own slot, less the peer's free slot, over 0.2 + 0.8 slots/s
+    assert core.expected_wait(COLD) == pytest.approx(1.0, rel=0.01)
+    assert core.snapshot()["peer_load"] == {"free": 1, "queued_slots": 0, "rate_slots_per_s": 0.8}
+    core.set_peer_load(PeerLoad(free=0, queued={COLD: 3}, rate=0.8))
+    assert core.expected_wait(COLD) == pytest.approx(5.0, rel=0.01)  # the peer's cold queue is ahead
+    # a continuation passes the cold queues at both (DRR gives cold 1/8 of its slot)
+    assert core.expected_wait(CONT) == pytest.approx(1.125, rel=0.01)
+    core.set_peer_load(PeerLoad(free=2, rate=1.8))
+    t = core.submit(1, COLD)
+    assert t.state is Q  # admitted: the peers' room and turnover are about to take the queue
+    clock.now += PEER_LOAD_TTL_S + 0.01  # a report this old has moved on: this master alone again
+    assert core.snapshot()["peer_load"] is None
+    assert core.expected_wait(COLD) == pytest.approx(15.0, rel=0.05)
+    assert core.submit(1, COLD).state is R
+
+
+def test_a_hand_off_takes_the_peers_room_and_is_not_served_here() -> None:
+    clock = Clock()
+    core = make(clock, None)
+    warm(core, clock, hold=10.0)
+    fill(core)
+    waiting = [core.submit(1, COLD) for _ in range(2)]
+    assert core.load() == PeerLoad(0, {COLD: 2}, pytest.approx(0.2, rel=0.01))
+    core.set_peer_load(PeerLoad(free=3, rate=1.0))
+    before = core.completion_rate()
+    core.hand_off(waiting[0])
+    assert core.snapshot()["peer_load"]["free"] == 2  # the waiter took a slot of the peers' room
+    assert core.completion_rate() is not None and before is not None and core.completion_rate() > before
+    # what this master serves itself (what it tells its peers) leaves the hand-off out
+    assert core.completion_rate(handed=False) == pytest.approx(before, rel=0.01)
+    assert core.load().queued == {COLD: 1}

@@ -15,6 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer, make_mocked_request
 from prometheus_client import CollectorRegistry
 
+from pdmaster.admission import PeerLoad, RequestClass
 from pdmaster.api import api_key_middleware
 from pdmaster.metrics import RequestMetrics
 from pdmaster.prefix_index import PrefixEstimate
@@ -25,6 +26,7 @@ from pdmaster.spill import (
     SPILLED_TO_HEADER,
     Spill,
     parse_cached,
+    parse_load,
     peers_from_etcd,
     with_cached,
 )
@@ -227,6 +229,10 @@ class Waiters:
     def __init__(self, left: int) -> None:
         self.left = left
         self.calls: list[tuple[str, int]] = []
+        self.peer_loads: list[PeerLoad | None] = []
+
+    def set_peer_load(self, load: PeerLoad | None) -> None:
+        self.peer_loads.append(load)
 
     def has_handoffs(self) -> bool:
         return self.left > 0
@@ -242,8 +248,9 @@ async def _room_peer(free: object, keys: list[bytes] | None = None) -> TestServe
     """A peer master's /spill/room: its own Spill's handler, or a raw answer for junk."""
     middlewares = [api_key_middleware(keys, open_paths=())] if keys else []
     app = web.Application(middlewares=middlewares)
-    if isinstance(free, int):
-        app.router.add_get(ROOM_PATH, Spill("peer", 0, free_now=lambda: free).room)
+    if isinstance(free, (int, PeerLoad)):
+        load = free if isinstance(free, PeerLoad) else PeerLoad(free)
+        app.router.add_get(ROOM_PATH, Spill("peer", 0, load_now=lambda: load).room)
     else:
 
         async def junk(_request: web.Request) -> web.Response:
@@ -274,6 +281,7 @@ async def test_waiters_are_handed_to_the_peers_that_report_room(servers: list[Te
     waiting = Waiters(left=3)
     assert await spill.hand_off_once(waiting) == 2
     assert waiting.calls == [("roomy", 2)] and waiting.left == 1
+    assert waiting.peer_loads == [PeerLoad(2)]  # the peers that answered, summed
     nothing = Waiters(left=0)  # nothing waits: no peer is asked
     assert await spill.hand_off_once(nothing) == 0 and nothing.calls == []
     spill.max_peers = 0
@@ -281,18 +289,48 @@ async def test_waiters_are_handed_to_the_peers_that_report_room(servers: list[Te
     await spill.close()
 
 
+async def test_the_peers_loads_reach_admission_summed(servers: list[TestServer]) -> None:
+    """Each round of probes tells admission what the peers that answered have queued and serve, so
+    that its expected wait is the pooled one; a round no peer answered tells it it knows none."""
+    cont, cold = RequestClass.CONTINUATION, RequestClass.COLD
+    a = await _room_peer(PeerLoad(1, {cont: 2}, 1.5))
+    b = await _room_peer(PeerLoad(0, {cont: 1, cold: 4}, 2.25))
+    servers += [a, b]
+    spill = Spill("m1", max_peers=2)
+    spill.peers = [(n, str(s.make_url("")).rstrip("/")) for n, s in (("a", a), ("b", b))]
+    waiting = Waiters(left=5)
+    assert await spill.hand_off_once(waiting) == 1
+    assert waiting.peer_loads == [PeerLoad(1, {cont: 3, cold: 4}, 3.75)]
+    assert waiting.calls == [("a", 1)]
+    await a.close()
+    await b.close()
+    assert await spill.hand_off_once(waiting) == 0
+    assert waiting.peer_loads[-1] is None
+    await spill.close()
+
+
+def test_a_peer_load_is_read_leniently() -> None:
+    cont = RequestClass.CONTINUATION
+    doc = {"free": 2, "queued": {"continuation": 3, "nonsense": 9, "cold": -1}, "rate": 1.5}
+    assert parse_load(doc) == PeerLoad(2, {cont: 3}, 1.5)
+    assert parse_load({"free": 4}) == PeerLoad(4)  # room alone: no load known
+    assert parse_load({"free": True, "queued": [1], "rate": float("nan")}) == PeerLoad()
+    assert parse_load({"rate": "fast"}) == PeerLoad()
+    assert parse_load([1, 2]) is None and parse_load("x") is None
+
+
 async def test_the_room_a_master_reports_is_its_admission_s(servers: list[TestServer]) -> None:
     server = await _room_peer(3)
     servers.append(server)
     async with aiohttp.ClientSession() as client, client.get(server.make_url(ROOM_PATH)) as resp:
-        assert resp.status == 200 and await resp.json() == {"free": 3}
+        assert resp.status == 200 and await resp.json() == {"free": 3, "queued": {}, "rate": 0.0}
     app = web.Application()
     app.router.add_get(ROOM_PATH, Spill("m", 0).room)  # no admission wired: no room
     bare = TestServer(app, host="127.0.0.1")
     await bare.start_server()
     servers.append(bare)
     async with aiohttp.ClientSession() as client, client.get(bare.make_url(ROOM_PATH)) as resp:
-        assert await resp.json() == {"free": 0}
+        assert await resp.json() == {"free": 0, "queued": {}, "rate": 0.0}
 
 
 async def test_a_handed_off_request_goes_to_that_peer_and_says_how_long_it_waited(
