@@ -138,18 +138,20 @@ class Reason:
 @dataclass(frozen=True, slots=True)
 class PeerLoad:
     """A master's load as its peers pool it (``/spill/room``, ``pdmaster.spill``), or several summed:
-    room one request could start in at once, queued slots per class, and the slots per second it serves
-    (its completion rate without what it handed to others, which the taker counts)."""
+    room one request could start in at once, queued slots per class, the slots per second it serves
+    (its completion rate without what it handed to others, which the taker counts) and the slots it
+    holds."""
 
     free: int = 0
     queued: Mapping[RequestClass, int] = field(default_factory=dict)
     rate: float = 0.0
+    capacity: int = 0
 
     def __add__(self, other: PeerLoad) -> PeerLoad:
         q = dict(self.queued)
         for c, n in other.queued.items():
             q[c] = q.get(c, 0) + n
-        return PeerLoad(self.free + other.free, q, self.rate + other.rate)
+        return PeerLoad(self.free + other.free, q, self.rate + other.rate, self.capacity + other.capacity)
 
 
 def _default_weights() -> dict[RequestClass, float]:
@@ -760,7 +762,7 @@ class AdmissionCore:
             self._count_done(t.slots, self._now, handed=True)
             pl = self._peer_load
             if pl is not None:  # it takes the peers' room it goes to
-                self._peer_load = PeerLoad(max(0, pl.free - t.slots), pl.queued, pl.rate)
+                self._peer_load = PeerLoad(max(0, pl.free - t.slots), pl.queued, pl.rate, pl.capacity)
             self._pump()
         return self._end()
 
@@ -842,6 +844,7 @@ class AdmissionCore:
             self.free_now(),
             {q.cls: q.slots for q in self._qlist if q.slots},
             rate if rate is not None and math.isfinite(rate) else 0.0,
+            self._capacity,
         )
 
     def _peer_load_view(self) -> dict[str, Any] | None:
@@ -1032,6 +1035,16 @@ class AdmissionCore:
         even = self._full_total // self._masters if self._masters else 0
         return math.floor(self.policy.queue_waves * max(held, even) + 1e-9)
 
+    def _pooled_bound(self) -> int:
+        """The queue bound for a first-time arrival: with a fresh peer load (:meth:`set_peer_load`),
+        ``queue_waves`` over the slots of this master and those peers together, less what the peers
+        queue, as one master over them would bound its queue; never below this master's own bound."""
+        pl = self._peer_load
+        if pl is None or not pl.capacity or self._now - self._peer_load_at > PEER_LOAD_TTL_S:
+            return self._bound
+        pooled = math.floor(self.policy.queue_waves * (self._capacity + pl.capacity) + 1e-9)
+        return max(self._bound, pooled - sum(pl.queued.values()))
+
     def _apply_shares(
         self, changes: Mapping[str, int], node_capacity: Mapping[str, int] | None
     ) -> list[Ticket]:
@@ -1148,7 +1161,7 @@ class AdmissionCore:
         target = self._targets[rc]
         if target != math.inf and (wait := self._over_target(t, s, target, lead_s)) is not None:
             return self._refuse(t, EXPECTED_WAIT, self._retry_hint(wait))
-        overflow = self._queued_slots + t.slots - self._bound
+        overflow = self._queued_slots + t.slots - self._pooled_bound()
         if overflow > 0:
             free, node = self._top_free()
             if s is None and not self._reserved and free >= t.slots:

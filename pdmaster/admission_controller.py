@@ -363,7 +363,7 @@ class AdmissionController:
     def load(self) -> PeerLoad:
         """``AdmissionCore.load``, with the room peers' waiters are admitted into (``free_now``)."""
         load = self.core.load()
-        return PeerLoad(self.free_now(), load.queued, load.rate)
+        return PeerLoad(self.free_now(), load.queued, load.rate, load.capacity)
 
     def set_peer_load(self, load: PeerLoad | None) -> None:
         """``AdmissionCore.set_peer_load``: the peers this master hands waiters to, summed."""

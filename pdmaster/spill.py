@@ -52,7 +52,8 @@ from pdmaster.prefix_index import PrefixEstimate
 log = logging.getLogger(__name__)
 
 RESULTS = ("taken", "refused", "unreachable")
-# A master's load now, for its peers: {"free": slots, "queued": {class: slots}, "rate": slots/s}
+# A master's load now, for its peers: {"free": slots, "queued": {class: slots}, "rate": slots/s,
+# "capacity": slots held}
 # (``PeerLoad``; "free" alone, from a master that reports nothing else, is room without a load).
 ROOM_PATH = "/spill/room"
 # How often a master with waiting requests asks its peers for room: a slot that comes free at a peer
@@ -229,6 +230,7 @@ class Spill:
                 "free": load.free,
                 "queued": {c.value: n for c, n in load.queued.items() if n > 0},
                 "rate": round(load.rate, 4),
+                "capacity": load.capacity,
             }
         )
 
@@ -291,7 +293,12 @@ def parse_load(doc: object) -> PeerLoad | None:
                 queued[c] = n
     raw_rate = doc.get("rate")
     rate = float(raw_rate) if isinstance(raw_rate, (int, float)) and not isinstance(raw_rate, bool) else 0.0
-    return PeerLoad(_slots_of(doc.get("free")), queued, rate if math.isfinite(rate) and rate > 0 else 0.0)
+    return PeerLoad(
+        _slots_of(doc.get("free")),
+        queued,
+        rate if math.isfinite(rate) and rate > 0 else 0.0,
+        _slots_of(doc.get("capacity")),
+    )
 
 
 def parse_cached(header: str, total_blocks: int) -> dict[str, int]:

@@ -374,7 +374,7 @@ def test_a_hand_off_takes_the_peers_room_and_is_not_served_here() -> None:
     warm(core, clock, hold=10.0)
     fill(core)
     waiting = [core.submit(1, COLD) for _ in range(2)]
-    assert core.load() == PeerLoad(0, {COLD: 2}, pytest.approx(0.2, rel=0.01))
+    assert core.load() == PeerLoad(0, {COLD: 2}, pytest.approx(0.2, rel=0.01), 2)
     core.set_peer_load(PeerLoad(free=3, rate=1.0))
     before = core.completion_rate()
     core.hand_off(waiting[0])
@@ -383,3 +383,19 @@ def test_a_hand_off_takes_the_peers_room_and_is_not_served_here() -> None:
     # what this master serves itself (what it tells its peers) leaves the hand-off out
     assert core.completion_rate(handed=False) == pytest.approx(before, rel=0.01)
     assert core.load().queued == {COLD: 1}
+
+
+def test_with_the_peers_load_the_queue_is_bounded_over_their_slots_too() -> None:
+    """One master over the pooled slots would queue a wave of all of them: a master whose peers take
+    its waiters queues past its own wave, less what the peers queue themselves."""
+    clock = Clock()
+    core = AdmissionCore(AdmissionPolicy(queue_waves=1.0), clock=clock)
+    core.set_shares({"d1": 2})
+    fill(core)
+    assert [core.submit(1, COLD).state for _ in range(3)] == [Q, Q, R]  # a wave of its own 2 slots
+    core.set_peer_load(PeerLoad(capacity=6, queued={CONT: 3}))
+    # a wave of 2 + 6 slots, less the peers' 3 queued: 5 here
+    assert [core.submit(1, COLD).state for _ in range(4)] == [Q, Q, Q, R]
+    assert core.queued_slots == 5
+    clock.now += PEER_LOAD_TTL_S + 0.01
+    assert core.submit(1, COLD).state is R

@@ -293,14 +293,14 @@ async def test_the_peers_loads_reach_admission_summed(servers: list[TestServer])
     """Each round of probes tells admission what the peers that answered have queued and serve, so
     that its expected wait is the pooled one; a round no peer answered tells it it knows none."""
     cont, cold = RequestClass.CONTINUATION, RequestClass.COLD
-    a = await _room_peer(PeerLoad(1, {cont: 2}, 1.5))
-    b = await _room_peer(PeerLoad(0, {cont: 1, cold: 4}, 2.25))
+    a = await _room_peer(PeerLoad(1, {cont: 2}, 1.5, 4))
+    b = await _room_peer(PeerLoad(0, {cont: 1, cold: 4}, 2.25, 3))
     servers += [a, b]
     spill = Spill("m1", max_peers=2)
     spill.peers = [(n, str(s.make_url("")).rstrip("/")) for n, s in (("a", a), ("b", b))]
     waiting = Waiters(left=5)
     assert await spill.hand_off_once(waiting) == 1
-    assert waiting.peer_loads == [PeerLoad(1, {cont: 3, cold: 4}, 3.75)]
+    assert waiting.peer_loads == [PeerLoad(1, {cont: 3, cold: 4}, 3.75, 7)]
     assert waiting.calls == [("a", 1)]
     await a.close()
     await b.close()
@@ -311,8 +311,8 @@ async def test_the_peers_loads_reach_admission_summed(servers: list[TestServer])
 
 def test_a_peer_load_is_read_leniently() -> None:
     cont = RequestClass.CONTINUATION
-    doc = {"free": 2, "queued": {"continuation": 3, "nonsense": 9, "cold": -1}, "rate": 1.5}
-    assert parse_load(doc) == PeerLoad(2, {cont: 3}, 1.5)
+    doc = {"free": 2, "queued": {"continuation": 3, "nonsense": 9, "cold": -1}, "rate": 1.5, "capacity": 5}
+    assert parse_load(doc) == PeerLoad(2, {cont: 3}, 1.5, 5)
     assert parse_load({"free": 4}) == PeerLoad(4)  # room alone: no load known
     assert parse_load({"free": True, "queued": [1], "rate": float("nan")}) == PeerLoad()
     assert parse_load({"rate": "fast"}) == PeerLoad()
@@ -323,14 +323,19 @@ async def test_the_room_a_master_reports_is_its_admission_s(servers: list[TestSe
     server = await _room_peer(3)
     servers.append(server)
     async with aiohttp.ClientSession() as client, client.get(server.make_url(ROOM_PATH)) as resp:
-        assert resp.status == 200 and await resp.json() == {"free": 3, "queued": {}, "rate": 0.0}
+        assert resp.status == 200 and await resp.json() == {
+            "free": 3,
+            "queued": {},
+            "rate": 0.0,
+            "capacity": 0,
+        }
     app = web.Application()
     app.router.add_get(ROOM_PATH, Spill("m", 0).room)  # no admission wired: no room
     bare = TestServer(app, host="127.0.0.1")
     await bare.start_server()
     servers.append(bare)
     async with aiohttp.ClientSession() as client, client.get(bare.make_url(ROOM_PATH)) as resp:
-        assert await resp.json() == {"free": 0, "queued": {}, "rate": 0.0}
+        assert await resp.json() == {"free": 0, "queued": {}, "rate": 0.0, "capacity": 0}
 
 
 async def test_a_handed_off_request_goes_to_that_peer_and_says_how_long_it_waited(
