@@ -806,6 +806,11 @@ class AdmissionCore:
             return self._hold_until
         return d
 
+    def misses_target(self, c: RequestClass, lead_s: float) -> bool:
+        """Whether a request of class ``c`` whose first token comes ``lead_s`` after its grant would
+        miss the class's target even if granted now (never, without a target)."""
+        return lead_s + self.later_wait_s > self._targets[c]
+
     def wait_limit(self, c: RequestClass) -> float:
         """How long a first-time waiter of class ``c`` may wait: its class timeout, capped by the
         class's target when one is set."""

@@ -356,6 +356,10 @@ class AdmissionController:
         """``AdmissionCore.waits_for_room``."""
         return self.core.waits_for_room(slots, session_id)
 
+    def misses_target(self, request_class: RequestClass, lead_s: float) -> bool:
+        """``AdmissionCore.misses_target``."""
+        return self.core.misses_target(request_class, lead_s)
+
     def free_now(self) -> int:
         """``AdmissionCore.free_now``: what a peer master may hand this one."""
         return self.core.free_now()

@@ -144,6 +144,10 @@ class RequestPipeline:
         spill = self.spill if self.spill is not None and self.spill.wanted(ctx.request) else None
         try:
             assert ctx.request_class is not None
+            if spill is not None and self.admission.misses_target(ctx.request_class, self._lead(ctx)):
+                # Its prefill alone breaks its time-to-first-token target: a peer's free slot would
+                # serve it late. As with one master, it runs here if it can start now, or is refused.
+                spill = None
             if spill is not None and self.admission.waits_for_room(ctx.parsed.slots, ctx.session_id):
                 # It would wait here for room that a peer may have free now (pdmaster/spill.py). A
                 # continuation too: its prefix is cached in the engines, not here, and the peer is

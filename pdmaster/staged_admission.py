@@ -305,6 +305,10 @@ class StagedAdmission(AdmissionController):
         assert self.gate is not None  # the first stage is where a request waits
         return self.gate.waits_for_room(slots, session_id)
 
+    def misses_target(self, request_class: RequestClass, lead_s: float) -> bool:
+        assert self.gate is not None  # the gate judges the target
+        return self.gate.misses_target(request_class, lead_s)
+
     def free_now(self) -> int:
         assert self.gate is not None  # ... and where a peer's request is admitted at once
         return self.gate.free_now()

@@ -399,3 +399,19 @@ def test_with_the_peers_load_the_queue_is_bounded_over_their_slots_too() -> None
     assert core.queued_slots == 5
     clock.now += PEER_LOAD_TTL_S + 0.01
     assert core.submit(1, COLD).state is R
+
+
+def test_a_request_whose_prefill_alone_breaks_its_target_misses_it_even_now() -> None:
+    """What keeps such a request from spilling to a peer's free slot (it would be served late there;
+    one master runs it only if it can start at once)."""
+    clock = Clock()
+    core = make(clock, targets(1.3, 1.8, 0))
+    assert core.misses_target(CONT, 1.31) and not core.misses_target(CONT, 1.3)
+    assert core.misses_target(PROB, 2.0) and not core.misses_target(PROB, 1.0)
+    assert not core.misses_target(COLD, 100.0)  # no target
+    core.later_wait_s = 0.5  # two-stage admission: the decode stage's wait counts too
+    assert core.misses_target(PROB, 1.4)
+    ctl = AdmissionController(
+        AdmissionPolicy(target_wait_s=targets(1.3, 1.8, 1.8)), registry=CollectorRegistry()
+    )
+    assert ctl.misses_target(COLD, 1.9) and not ctl.misses_target(COLD, 1.7)
