@@ -30,6 +30,16 @@ hands the waiters closest to their deadline that fit to a peer that has some
 (``AdmissionController.hand_off``): each leaves the queue and is forwarded there as above. Should that
 peer have filled in the meantime, the request comes back here as a resubmission with its deadline (it
 goes first, as a retried request does), so a hand-off never costs a request its place.
+
+Masters that hand waiters to each other serve one queue in effect, so they judge arrivals as one
+master over their slots would. The room report carries each master's load (``PeerLoad``: free room,
+queued slots per class, the slots per second it serves itself, the slots it holds); while the last
+round of reports is fresh (``PEER_LOAD_TTL_S``), an arrival's expected wait counts the peers' queues
+ahead of it and their free room and turnover behind this queue, and a first-time arrival's queue bound
+is a wave of the pooled slots less what the peers queue. Without that, a clump at one master was
+refused against that master's turnover alone while its peers' slots were about to take the queue.
+A request whose prefill alone breaks its time-to-first-token target is never offered to a peer: a
+peer's free slot would serve it late (one master runs it only if it can start at once).
 """
 
 from __future__ import annotations
