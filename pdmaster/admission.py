@@ -906,6 +906,11 @@ class AdmissionCore:
                 return 0.0
             mine = self.completion_rate(now, handed=False)
             rate = (mine or 0.0) + pl.rate
+            # Never below this master's own turnover (hand-offs included): a peer that reports no rate
+            # (a master of an earlier release, or one just started) must not make the estimate longer.
+            alone = self.completion_rate(now)
+            if alone is not None and alone > rate:
+                rate = alone
         else:
             own = self._queues[c].slots
             turn = own + slots

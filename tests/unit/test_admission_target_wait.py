@@ -359,6 +359,9 @@ def test_with_the_peers_load_the_expected_wait_is_the_pooled_one() -> None:
     assert core.expected_wait(COLD) == pytest.approx(5.0, rel=0.01)  # the peer's cold queue is ahead
     # a continuation passes the cold queues at both (DRR gives cold 1/8 of its slot)
     assert core.expected_wait(CONT) == pytest.approx(1.125, rel=0.01)
+    # a peer that reports no rate (an earlier release) leaves this master's own turnover
+    core.set_peer_load(PeerLoad(free=1))
+    assert core.expected_wait(COLD) == pytest.approx(1 / 0.2, rel=0.01)
     core.set_peer_load(PeerLoad(free=2, rate=1.8))
     t = core.submit(1, COLD)
     assert t.state is Q  # admitted: the peers' room and turnover are about to take the queue
