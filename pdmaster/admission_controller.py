@@ -365,9 +365,8 @@ class AdmissionController:
         return self.core.free_now()
 
     def load(self) -> PeerLoad:
-        """``AdmissionCore.load``, with the room peers' waiters are admitted into (``free_now``)."""
-        load = self.core.load()
-        return PeerLoad(self.free_now(), load.queued, load.rate, load.capacity)
+        """``AdmissionCore.load``: what this master tells its peers (``/spill/room``)."""
+        return self.core.load()
 
     def set_peer_load(self, load: PeerLoad | None) -> None:
         """``AdmissionCore.set_peer_load``: the peers this master hands waiters to, summed."""

@@ -62,9 +62,8 @@ from pdmaster.prefix_index import PrefixEstimate
 log = logging.getLogger(__name__)
 
 RESULTS = ("taken", "refused", "unreachable")
-# A master's load now, for its peers: {"free": slots, "queued": {class: slots}, "rate": slots/s,
-# "capacity": slots held}
-# (``PeerLoad``; "free" alone, from a master that reports nothing else, is room without a load).
+# A master's load now, for its peers (``PeerLoad``): {"free": slots, "queued": {class: slots},
+# "rate": slots/s, "capacity": slots held}; "free" alone (an earlier release) is room without a load.
 ROOM_PATH = "/spill/room"
 # How often a master with waiting requests asks its peers for room: a slot that comes free at a peer
 # idles at most about this long before a waiter here takes it (decode leases last seconds).

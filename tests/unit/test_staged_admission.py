@@ -260,6 +260,7 @@ async def test_the_room_a_two_stage_master_reports_to_peers_is_its_gate_s() -> N
     assert adm.free_now() == 6 and adm.core.free_now() == 2
     passes = [await adm.acquire_pass(1, COLD) for _ in range(4)]
     assert adm.free_now() == 2
+    assert adm.load().free == 2 and adm.load().capacity == 6  # the load it reports is the gate's too
     for p in passes:
         p.release()
     assert adm.free_now() == 6
