@@ -44,7 +44,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = [
@@ -125,6 +125,7 @@ RATE_MIN_RELEASES = 8
 # How long the masters' pooled load (set_peer_load) counts in the expected wait: their reports come every
 # few tens of milliseconds while requests wait here; an older one describes a queue that has moved on.
 PEER_LOAD_TTL_S = 0.5
+_NO_QUEUED: dict[RequestClass, int] = {}  # no peers' queues (read only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -762,7 +763,7 @@ class AdmissionCore:
             self._count_done(t.slots, self._now, handed=True)
             pl = self._peer_load
             if pl is not None:  # it takes the peers' room it goes to
-                self._peer_load = PeerLoad(max(0, pl.free - t.slots), pl.queued, pl.rate, pl.capacity)
+                self._peer_load = replace(pl, free=max(0, pl.free - t.slots))
             self._pump()
         return self._end()
 
@@ -852,9 +853,14 @@ class AdmissionCore:
             self._capacity,
         )
 
-    def _peer_load_view(self) -> dict[str, Any] | None:
+    def _fresh_peer_load(self, now: float) -> PeerLoad | None:
+        """The peers' pooled load while it counts (:data:`PEER_LOAD_TTL_S`), else None."""
         pl = self._peer_load
-        if pl is None or self._clock() - self._peer_load_at > PEER_LOAD_TTL_S:
+        return pl if pl is not None and now - self._peer_load_at <= PEER_LOAD_TTL_S else None
+
+    def _peer_load_view(self) -> dict[str, Any] | None:
+        pl = self._fresh_peer_load(self._clock())
+        if pl is None:
             return None
         return {
             "free": pl.free,
@@ -888,40 +894,27 @@ class AdmissionCore:
         if now is None:
             now = self._clock()
         w = self._weights
-        free = self._capacity - self._active_total
-        rate: float | None
-        pl = self._peer_load
-        if pl is not None and now - self._peer_load_at <= PEER_LOAD_TTL_S:
-            pq = pl.queued
-            own = self._queues[c].slots + pq.get(c, 0)
-            turn = own + slots
-            ahead = float(own)
-            for q in self._qlist:
-                if q.cls is not c:
-                    n = q.slots + pq.get(q.cls, 0)
-                    if n:
-                        ahead += min(n, turn * w[q.cls] / w[c])
-            need = ahead + slots - max(0, free) - pl.free
-            if need <= 0:
-                return 0.0
-            mine = self.completion_rate(now, handed=False)
-            rate = (mine or 0.0) + pl.rate
-            # Never below this master's own turnover (hand-offs included): a peer that reports no rate
-            # (a master of an earlier release, or one just started) must not make the estimate longer.
-            alone = self.completion_rate(now)
-            if alone is not None and alone > rate:
-                rate = alone
-        else:
-            own = self._queues[c].slots
-            turn = own + slots
-            ahead = float(own)
-            for q in self._qlist:
-                if q.cls is not c and q.slots:
-                    ahead += min(q.slots, turn * w[q.cls] / w[c])
-            need = ahead + slots - max(0, free)
-            if need <= 0:
-                return 0.0
-            rate = self.completion_rate(now)
+        pl = self._fresh_peer_load(now)
+        pq = pl.queued if pl is not None else _NO_QUEUED
+        own = self._queues[c].slots + pq.get(c, 0)
+        turn = own + slots
+        ahead = float(own)
+        for q in self._qlist:
+            if q.cls is not c and (n := q.slots + pq.get(q.cls, 0)):
+                ahead += min(n, turn * w[q.cls] / w[c])
+        need = (
+            ahead + slots - max(0, self._capacity - self._active_total) - (pl.free if pl is not None else 0)
+        )
+        if need <= 0:
+            return 0.0
+        rate = self.completion_rate(now)
+        if pl is not None:
+            # What this master serves itself plus what the peers serve; never below this master's own
+            # turnover (hand-offs included): a peer that reports no rate (a master of an earlier
+            # release, or one just started) must not make the estimate longer.
+            pooled = (self.completion_rate(now, handed=False) or 0.0) + pl.rate
+            if rate is None or pooled > rate:
+                rate = pooled
         if rate is None or rate <= 0.0:
             return None
         return need / rate
@@ -1049,8 +1042,8 @@ class AdmissionCore:
         """The queue bound for a first-time arrival: with a fresh peer load (:meth:`set_peer_load`),
         ``queue_waves`` over the slots of this master and those peers together, less what the peers
         queue, as one master over them would bound its queue; never below this master's own bound."""
-        pl = self._peer_load
-        if pl is None or not pl.capacity or self._now - self._peer_load_at > PEER_LOAD_TTL_S:
+        pl = self._fresh_peer_load(self._now)
+        if pl is None or not pl.capacity:
             return self._bound
         pooled = math.floor(self.policy.queue_waves * (self._capacity + pl.capacity) + 1e-9)
         return max(self._bound, pooled - sum(pl.queued.values()))
