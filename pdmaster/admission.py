@@ -1042,6 +1042,8 @@ class AdmissionCore:
         """The queue bound for a first-time arrival: with a fresh peer load (:meth:`set_peer_load`),
         ``queue_waves`` over the slots of this master and those peers together, less what the peers
         queue, as one master over them would bound its queue; never below this master's own bound."""
+        if self._peer_load is None:  # no peers (spilling off): no call on a queued arrival's path
+            return self._bound
         pl = self._fresh_peer_load(self._now)
         if pl is None or not pl.capacity:
             return self._bound
