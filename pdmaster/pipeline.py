@@ -277,10 +277,10 @@ class RequestPipeline:
         """``Spill.forward`` with what this master's prefix index knows of the prompt. A peer's answer
         is the session's output as much as one from here: its next turn is a continuation here too."""
         cached = dict(ctx.estimate.matches) if ctx.estimate is not None else None
-        answer = await spill.forward(ctx.request, ctx.raw, cached, to=to, waited_s=waited_s)
-        if answer is not None and answer.status == 200:
-            self.admission.observe_output(ctx.session_id)
-        return answer
+        return await spill.forward(
+            ctx.request, ctx.raw, cached, to=to, waited_s=waited_s,
+            on_output=lambda: self.admission.observe_output(ctx.session_id),
+        )  # fmt: skip
 
     # -- stages ---------------------------------------------------------------------------------
     def classify(self, ctx: RequestContext) -> None:

@@ -169,12 +169,15 @@ class Spill:
         *,
         to: str | None = None,
         waited_s: float | None = None,
+        on_output: Callable[[], None] | None = None,
     ) -> web.StreamResponse | None:
         """The first peer answer that is not a refusal (429/503), streamed to the client; None when
         every peer tried refused or could not be reached (the caller sends its own refusal).
         ``cached``: the prompt's blocks this master's prefix index sees on each prefill node. ``to``:
         that peer only (a hand-off); ``waited_s``: what the request waited here (its answer's
-        ``X-Admission-Wait-Ms`` then says so rather than the peer's 0)."""
+        ``X-Admission-Wait-Ms`` then says so rather than the peer's 0). ``on_output``: called once
+        when a 200 answer's first bytes arrive, before the client sees them (so that the session's
+        next turn, sent the moment the client has read this one, already counts as a continuation)."""
         headers = {h: request.headers[h] for h in _FORWARDED if h in request.headers}
         headers[SPILLED_HEADER] = self.master_id
         top = sorted(((n, b) for n, b in (cached or {}).items() if b > 0), key=lambda kv: -kv[1])
@@ -198,14 +201,18 @@ class Spill:
                     self._count("refused")
                     continue
                 self._count("taken")
-                return await self._relay(request, resp, peer_id, waited_s)
+                return await self._relay(request, resp, peer_id, waited_s, on_output)
             finally:
                 resp.release()
         return None
 
     @staticmethod
     async def _relay(
-        request: web.Request, resp: aiohttp.ClientResponse, peer_id: str, waited_s: float | None = None
+        request: web.Request,
+        resp: aiohttp.ClientResponse,
+        peer_id: str,
+        waited_s: float | None = None,
+        on_output: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
         out = web.StreamResponse(status=resp.status, reason=resp.reason)
         for k, v in resp.headers.items():
@@ -221,6 +228,9 @@ class Spill:
         await out.prepare(request)
         try:
             async for chunk in resp.content.iter_any():
+                if on_output is not None and resp.status == 200:
+                    on_output()
+                    on_output = None
                 await out.write(chunk)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             # Headers are out: the client sees the stream end early, as when an engine dies mid-answer.

@@ -6,6 +6,7 @@ other masters (what a peer does with the request is the master's ordinary path, 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -371,4 +372,46 @@ async def test_a_handed_off_request_goes_to_that_peer_and_says_how_long_it_waite
             assert resp.headers[SPILLED_TO_HEADER] == "b"
             assert resp.headers["X-Admission-Wait-Ms"] == "752.5"  # 750 here, then 2.5 there
     assert seen == ["b", "b", "b"]
+    await spill.close()
+
+
+async def test_a_peer_s_answer_marks_the_session_before_the_client_reads_it(
+    servers: list[TestServer],
+) -> None:
+    """The session's next turn may be sent the moment the client has read this one: the origin must
+    already count it as a continuation then, so the mark comes with the answer's first bytes."""
+    more = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.StreamResponse:  # holds its stream open until told
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: one\n\n")
+        await more.wait()
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    servers.append(await _serve(Peer(429).handle))
+    servers.append(await _serve(slow))
+    events: list[str] = []
+    spill = Spill("m1", max_peers=2)
+    spill.peers = [("full", str(servers[0].make_url("")).rstrip("/"))]
+
+    async def origin_handler(request: web.Request) -> web.StreamResponse:
+        answer = await spill.forward(request, await request.read(), on_output=lambda: events.append("output"))
+        return answer or web.json_response({"error": {"code": "expected_wait"}}, status=429)
+
+    origin = await _serve(origin_handler)
+    servers.append(origin)
+    async with aiohttp.ClientSession() as client:
+        async with client.post(origin.make_url("/v1/chat/completions"), json={}) as resp:
+            assert resp.status == 429
+        assert events == []  # a refusal is no output
+        spill.peers = [("slow", str(servers[1].make_url("")).rstrip("/"))]
+        async with client.post(origin.make_url("/v1/chat/completions"), json={}) as resp:
+            assert await resp.content.readline() == b"data: one\n"
+            assert events == ["output"]  # marked by the time the client reads the first bytes
+            more.set()
+            await resp.read()
+    assert events == ["output"]  # once
     await spill.close()
