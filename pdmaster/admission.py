@@ -799,6 +799,14 @@ class AdmissionCore:
         """Nothing is placed before this time (-inf: no hold). See :meth:`watch_pauses`."""
         return self._hold_until
 
+    def placement_held(self) -> bool:
+        """Whether this process stood still less than the hold ago (:meth:`watch_pauses`): a decode
+        request placed before the pause must not go out then either."""
+        if self._resumed_at is None:
+            return False
+        now = self._clock()
+        return now < self._resumed_at(now) + self._pause_hold_s
+
     def next_deadline(self) -> float | None:
         """When :meth:`expire` has work: the first waiter's deadline, or the end of a hold."""
         t = self._first_deadline()

@@ -321,6 +321,10 @@ class AdmissionController:
     def promote_session(self, session_id: str) -> None:
         self._apply(self.core.promote_session(session_id))
 
+    def placement_held(self) -> bool:
+        """Whether placement is held after a pause of this process (``AdmissionCore.placement_held``)."""
+        return self.core.placement_held()
+
     def observe_output(self, session_id: str | None) -> None:
         """A valid output was seen for the session: later requests are CONTINUATION, waiters promoted."""
         if session_id is not None and self.sessions.observe_output(session_id):

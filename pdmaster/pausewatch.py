@@ -8,7 +8,9 @@ runs again, whichever callback comes first may place a request on a share that i
 own, before the stream ends waiting in its sockets are read. The engine then runs more than its
 ``running_max_req_size``. The admission core therefore places nothing for ``detect_s`` after a pause
 (``AdmissionCore.watch_pauses``): every stream its agents closed is read by then, and one that died
-silently is found by the keep-alive.
+silently is found by the keep-alive. Nor does a decode request placed before the pause go out during
+that hold (``pipeline._still_held``, asked with the decode connection in hand): the request goes round
+again once the streams are read.
 
 How a pause is seen. A daemon thread wakes every ``every_s`` and notes the time. A wake-up that
 comes more than ``gap_s`` after the previous one means the whole process stood still: the thread

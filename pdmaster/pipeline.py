@@ -73,11 +73,13 @@ def _retryable(exc: EngineError) -> bool:
     )
 
 
-def _still_held(decode: Node) -> Callable[[], bool]:
+def _still_held(decode: Node, paused: Callable[[], bool]) -> Callable[[], bool]:
     """Whether this master still holds its stream to the decode node's agent, the one it had when the
-    request was routed: over a new stream the agent may have handed the slot on meanwhile."""
+    request was routed: over a new stream the agent may have handed the slot on meanwhile. Not while
+    ``paused`` (placement is held after this process stood still): a stream the agent cut meanwhile
+    may not be read yet, and the decode request goes round again once it is."""
     stream = decode.stream
-    return lambda: decode.connected and decode.stream == stream
+    return lambda: decode.connected and decode.stream == stream and not paused()
 
 
 class RequestPipeline:
@@ -383,7 +385,7 @@ class RequestPipeline:
                 decode,
                 headers,
                 ctx.lease.decode_sent,
-                _still_held(decode),
+                _still_held(decode, self.admission.placement_held),
             )
         except EngineError as exc:
             self._failed_on(ctx, exc, f"decode {decode.node_id}")
@@ -419,7 +421,7 @@ class RequestPipeline:
                 ctx.engine_headers(ctx.engine_request_id),
                 ctx.raw,
                 ctx.lease.decode_sent if ctx.lease is not None else None,
-                _still_held(ctx.decode),
+                _still_held(ctx.decode, self.admission.placement_held),
             )
         except EngineError as exc:
             log.info(
@@ -480,7 +482,7 @@ class RequestPipeline:
             if unsent == 0 and ctx.lease is not None:
                 ctx.lease.decode_sent()
 
-        held = _still_held(decode)
+        held = _still_held(decode, self.admission.placement_held)
 
         async def one(part: Part) -> EngineResponse:
             return await dispatch.open(

@@ -113,10 +113,10 @@ def _failure(ex: Exchange, who: str, node: str | None = None) -> EngineError | N
 
 
 async def _sent(pool: EnginePool, node: EngineNode, path: str, data: bytes, headers: Mapping[str, str],
-                *, discard: bool = False) -> Exchange:  # fmt: skip
+                *, discard: bool = False, check: Callable[[], None] | None = None) -> Exchange:  # fmt: skip
     """``pool.send`` to ``node``, its failure (no connection) named after the node."""
     try:
-        return await pool.send(node.endpoint, path, data, headers, discard=discard)
+        return await pool.send(node.endpoint, path, data, headers, discard=discard, check=check)
     except EngineError as exc:
         if exc.node is None:
             exc.node = node.node_id
@@ -236,7 +236,10 @@ class SGLangDispatch(Dispatch):
         # The same body goes to P and D at once; P's answer is dropped as it arrives.
         p = await _sent(self.pool, prefill, path, data, headers, discard=True)
         try:
-            d = await _sent(self.pool, decode, path, data, headers)
+            # Asked again with D's connection in hand: sending P (a new connection) may have awaited
+            # across a pause of this process, after which the slot may be another master's.
+            check = _decode_check(decode, may_send_decode)
+            d = await _sent(self.pool, decode, path, data, headers, check=check)
         except BaseException:
             p.abort()
             raise
@@ -341,8 +344,11 @@ class VLLMDispatch(Dispatch):
         """D's 200 answer to ``body`` with P's ``params``."""
         d_body = dict(body)
         d_body["kv_transfer_params"] = dict(params)
-        _check_decode(decode, may_send_decode)  # the prefill took a while: is the slot still ours?
-        d = await _sent(self.pool, decode, path, json.dumps(d_body).encode(), headers)
+        # the prefill took a while: is the slot still ours? (asked with D's connection in hand)
+        d = await _sent(
+            self.pool, decode, path, json.dumps(d_body).encode(), headers,
+            check=_decode_check(decode, may_send_decode),
+        )  # fmt: skip
         if on_decode_sent is not None:
             on_decode_sent()
         try:
@@ -364,6 +370,11 @@ def _check_decode(decode: EngineNode, may_send: Callable[[], bool] | None) -> No
             kind="lost",
             node=decode.node_id,
         )
+
+
+def _decode_check(decode: EngineNode, may_send: Callable[[], bool] | None) -> Callable[[], None] | None:
+    """``_check_decode`` for ``pool.send``, which calls it just before the write."""
+    return None if may_send is None else lambda: _check_decode(decode, may_send)
 
 
 PROTOCOLS: dict[str, type[Dispatch]] = {"sglang": SGLangDispatch, "vllm": VLLMDispatch}

@@ -402,14 +402,23 @@ class EnginePool:
         headers: Mapping[str, str],
         *,
         discard: bool = False,
+        check: Callable[[], None] | None = None,
     ) -> Exchange:
         """POST one request; returns once it is written (``await ex.head()`` for the answer).
 
         ``discard``: drop the body as it arrives (a non-200 body is still kept for the error).
+        ``check``: called with a connection in hand, just before the request is written (nothing
+        awaits between the two); what it raises stops the request, and the connection stays idle.
         """
         key = origin(endpoint)
         request = _request_bytes(key, path, body, headers)
         conn = self._idle_connection(key) or await self._connect(key)
+        if check is not None:
+            try:
+                check()
+            except BaseException:
+                self._release(conn)
+                raise
         return conn.send(request, _DISCARD if discard else _BUFFER)
 
     def _watch(self, ex: Exchange) -> None:

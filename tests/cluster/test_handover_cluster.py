@@ -326,6 +326,7 @@ def test_stopped_master_under_load_never_oversubscribes_the_engines(
         stopped.proc.send_signal(signal.SIGCONT)
     stopped_for = time.monotonic() - t_stop
     rejoined = cluster.wait_for(lambda: cluster.full_capacity_held(masters, CAPS), timeout=30, interval=0.1)
+    queued_rejoined = decode_queued(cluster)  # tells a resume's overshoot from a later handover's
     targets.add_when_ready("m1")
     time.sleep(3.0)
     results = load.stop()
@@ -337,7 +338,8 @@ def test_stopped_master_under_load_never_oversubscribes_the_engines(
         f"{took:.2f}s after the stop; m1 stopped {stopped_for:.1f}s, both held their shares "
         f"{rejoined:.2f}s after SIGCONT; {len(results)} requests ({summarize(results)}); in flight on m1 at "
         f"the stop: {len(on_stopped)} ({summarize(on_stopped)}); pdsim_queued_total {queued_stopped} "
-        f"while stopped, {queued} at the end; (active, queued) after {leases}"
+        f"while stopped, {queued_rejoined} once both held their shares, {queued} at the end; "
+        f"(active, queued) after {leases}"
     )
     assert on_stopped, "the stop caught no request in flight on m1; the test exercised nothing"
     assert "did not run for" in stopped.proc.tail(5000), "m1 did not notice that it had been stopped"

@@ -784,6 +784,24 @@ def test_after_a_pause_nothing_is_placed_until_the_hold_ends() -> None:
     assert core.submit(1, COLD).state is G  # and placement is back to normal
 
 
+def test_placement_is_reported_held_from_the_pause_until_the_hold_ends() -> None:
+    """What the request path asks before a decode request placed earlier goes out: the hold counts
+    from the pause's end even before a placement call noticed it."""
+    clock = Clock()
+    core = make({"d1": 2}, clock)
+    assert not core.placement_held()  # no watch: never held
+    resumed = Resumed()
+    core.watch_pauses(resumed, hold_s=1.5)
+    assert not core.placement_held()
+    clock.now = 110.0
+    resumed.at = 110.0
+    assert core.placement_held()
+    clock.now = 111.4
+    assert core.placement_held()
+    clock.now = 111.5
+    assert not core.placement_held()
+
+
 def test_a_pause_during_a_hold_extends_it_and_counts_once() -> None:
     clock = Clock()
     core = make({"d1": 1}, clock)

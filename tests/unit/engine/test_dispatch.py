@@ -52,6 +52,7 @@ class Engines:
         self.prefill_status = 200
         self.prefill_delay = 0.05
         self.decode_started = asyncio.Event()
+        self.decode_requests = 0
         self.decode_cancelled = asyncio.Event()
         self.bodies: list[dict[str, object]] = []
         self.prefill_answer: dict[str, object] = {"ok": True}
@@ -65,6 +66,7 @@ class Engines:
 
     async def decode(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
+        self.decode_requests += 1
         self.decode_started.set()
         if self.prefill_status != 200:
             try:
@@ -193,3 +195,38 @@ async def test_no_decode_request_goes_to_a_node_this_master_lost(
     assert err.value.kind == "lost" and err.value.status == 503 and err.value.node == "d"
     assert not eng.decode_started.is_set()
     assert asked == [protocol == "vllm"]  # vLLM asks once P has answered; SGLang before either
+
+
+async def test_a_node_lost_while_the_prefill_request_went_out_gets_no_decode_request(
+    engines: tuple[Engines, str],
+) -> None:
+    """SGLang's protocol asks before P's request and again with D's connection in hand: sending P may
+    await a new connection, across which this process may have stood still and lost the node. Then
+    D gets nothing, P's request is dropped, and the error lets another pair serve it."""
+    eng, base = engines
+    answers = iter([True, False])
+    asked: list[bool] = []
+
+    def may_send() -> bool:
+        asked.append(True)
+        return next(answers)
+
+    async with _pool() as pool:
+        d = make_dispatch("sglang", pool)
+        with pytest.raises(EngineError) as err:
+            await d.open(
+                "/v1/completions", {"prompt": "hi"}, Node("p", base + "/p", 9), Node("d", base + "/d"), {},
+                None, None, may_send,
+            )  # fmt: skip
+        assert err.value.kind == "lost" and err.value.node == "d"
+        assert len(asked) == 2
+        # the connection opened for D stays for the next request: the pool sends it there
+        opened = pool.opened
+        up = await make_dispatch("sglang", pool).open(
+            "/v1/completions", {"prompt": "hi", "stream": True}, Node("p", base + "/p", 9),
+            Node("d", base + "/d"), {},
+        )  # fmt: skip
+        await up.read()
+        await up.close()
+        assert pool.opened == opened + 1  # P's aborted connection is replaced; D's was reused
+    assert eng.decode_requests == 1  # the refused decode request never reached D
