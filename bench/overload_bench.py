@@ -243,6 +243,8 @@ def engine_counters(engines: dict[str, Any]) -> dict[str, dict[str, float]]:
         "pdsim_max_waiting",
         "pdsim_capacity",
         "pdsim_prefill_tokens_total",
+        "pdsim_prompt_tokens_total",
+        "pdsim_cached_tokens_total",
     )
     out: dict[str, dict[str, float]] = {}
     for name, e in engines.items():
@@ -512,7 +514,7 @@ def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
     def total(key: str, names: Any = None) -> float:
         return sum(v.get(key, 0.0) for n, v in counters.items() if names is None or n in names)
 
-    dec = set(DECODES)
+    dec, pre = set(DECODES), set(PREFILLS)
     peak_queue = 0.0
     sum_running_max = 0.0
     idle_shares: list[float] = []
@@ -542,6 +544,13 @@ def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
         "recomputed_tokens": total("pdsim_recomputed_tokens_total"),
         "prefill_tokens_wasted": total("prefill_tokens_wasted"),
         "prefill_tokens_transferred": total("prefill_tokens_transferred"),
+        # of the prompt tokens the prefill engines saw, the share their prefix caches held: what
+        # cache-aware routing saves (a turn sent where its context is not cached prefills all of it)
+        "prefill_cache_hit_share": (
+            round(total("pdsim_cached_tokens_total", pre) / total("pdsim_prompt_tokens_total", pre), 4)
+            if total("pdsim_prompt_tokens_total", pre) > 0
+            else None
+        ),
         "engine_queued_total": total("pdsim_queued_total", dec),
         "engine_peak_queue": peak_queue,
         "engine_peak_waiting": max(
