@@ -226,9 +226,11 @@ class Spill:
                 there = 0.0
             out.headers[WAIT_HEADER] = f"{waited_s * 1000 + there:.1f}"  # here, then there
         await out.prepare(request)
+        if resp.status != 200:
+            on_output = None  # an error body is no output
         try:
             async for chunk in resp.content.iter_any():
-                if on_output is not None and resp.status == 200:
+                if on_output is not None:
                     on_output()
                     on_output = None
                 await out.write(chunk)

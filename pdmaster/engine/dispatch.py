@@ -232,14 +232,15 @@ class SGLangDispatch(Dispatch):
                 f"prefill node {prefill.node_id} registered no bootstrap_port", status=503, kind="config"
             )
         data = with_bootstrap(raw, body, origin(prefill.endpoint).host, port, random.getrandbits(63))
-        _check_decode(decode, may_send_decode)
+        guard = _decode_guard(decode, may_send_decode)
+        if guard is not None:
+            guard()  # no P for a slot that is no longer ours
         # The same body goes to P and D at once; P's answer is dropped as it arrives.
         p = await _sent(self.pool, prefill, path, data, headers, discard=True)
         try:
             # Asked again with D's connection in hand: sending P (a new connection) may have awaited
             # across a pause of this process, after which the slot may be another master's.
-            check = _decode_check(decode, may_send_decode)
-            d = await _sent(self.pool, decode, path, data, headers, check=check)
+            d = await _sent(self.pool, decode, path, data, headers, check=guard)
         except BaseException:
             p.abort()
             raise
@@ -347,7 +348,7 @@ class VLLMDispatch(Dispatch):
         # the prefill took a while: is the slot still ours? (asked with D's connection in hand)
         d = await _sent(
             self.pool, decode, path, json.dumps(d_body).encode(), headers,
-            check=_decode_check(decode, may_send_decode),
+            check=_decode_guard(decode, may_send_decode),
         )  # fmt: skip
         if on_decode_sent is not None:
             on_decode_sent()
@@ -359,10 +360,16 @@ class VLLMDispatch(Dispatch):
         return EngineResponse(d)
 
 
-def _check_decode(decode: EngineNode, may_send: Callable[[], bool] | None) -> None:
-    """Strict handover: an agent may free a lost master's slots once no engine sample shows them in
+def _decode_guard(decode: EngineNode, may_send: Callable[[], bool] | None) -> Callable[[], None] | None:
+    """What ``pool.send`` calls just before D's request is written (None: nothing to ask).
+
+    Strict handover: an agent may free a lost master's slots once no engine sample shows them in
     use, and a decode request that was not yet sent shows in none, so none goes out after the loss."""
-    if may_send is not None and not may_send():
+    return None if may_send is None else lambda: _check_decode(decode, may_send)
+
+
+def _check_decode(decode: EngineNode, may_send: Callable[[], bool]) -> None:
+    if not may_send():
         raise EngineError(
             f"decode {decode.node_id}: this master lost its stream to the node's agent before the decode "
             "request went out",
@@ -370,11 +377,6 @@ def _check_decode(decode: EngineNode, may_send: Callable[[], bool] | None) -> No
             kind="lost",
             node=decode.node_id,
         )
-
-
-def _decode_check(decode: EngineNode, may_send: Callable[[], bool] | None) -> Callable[[], None] | None:
-    """``_check_decode`` for ``pool.send``, which calls it just before the write."""
-    return None if may_send is None else lambda: _check_decode(decode, may_send)
 
 
 PROTOCOLS: dict[str, type[Dispatch]] = {"sglang": SGLangDispatch, "vllm": VLLMDispatch}
