@@ -31,6 +31,16 @@ The two policies follow the engines' schedulers (figures in ``shared/research/ov
 * ``vllm``: admission needs only the request's own tokens; when a step cannot allocate, the newest
   running request is *preempted* by recompute and put at the front of the waiting queue, until the
   step fits (``vllm/v1/core/sched/scheduler.py``).
+
+Priority scheduling (``priority_scheduling``; SGLang ``--enable-priority-scheduling``, vLLM
+``--scheduling-policy priority``): each request carries an integer ``priority``; the waiting queue is
+served by priority, then arrival (SGLang sorts it so every step, ``schedule_policy.py``:
+``_sort_by_priority_and_fcfs``), higher values first unless ``low_priority_first`` (SGLang's
+``--schedule-low-priority-values-first``; vLLM's order). The prompt chunks of a step go first to the
+prefills already under way (SGLang continues its chunked request before taking new ones), then by the
+same order; a preempting vLLM takes its victim from the lowest priority, newest first. Preemption of a
+running request *for* a waiting one of higher priority (SGLang's
+``--priority-scheduling-preemption-threshold``) is not modelled.
 """
 
 from __future__ import annotations
@@ -76,6 +86,8 @@ class ModelConfig:
     new_token_ratio_decay_steps: int = 600
     clip_max_new_tokens: int = 4096
     retract_decode_steps: int = 20
+    priority_scheduling: bool = False  # serve waiting requests by ``ModelRequest.priority``, then arrival
+    low_priority_first: bool = False  # with it: lower values first (vLLM; SGLang's flag of that name)
 
     @property
     def prealloc_seqs(self) -> int:
@@ -110,12 +122,14 @@ class ModelRequest:
     prefill_tokens: int  # tokens to compute before the first token (uncached; 0 once KV was transferred)
     max_new_tokens: int  # per sequence
     pd: bool = False  # decode server: the KV comes from a prefill server
+    priority: int = 0  # the request's ``priority`` field (used with ``priority_scheduling``)
     phase: Phase = field(default=Phase.NEW, init=False)
     generated: int = field(default=0, init=False)  # tokens per sequence so far
     computed: int = field(default=0, init=False)  # of prefill_tokens
     kv: int = field(default=0, init=False)  # KV tokens held
     queued: bool = field(default=False, init=False)  # ever waited for lack of batch room or KV
     recomputing: bool = field(default=False, init=False)
+    arrival: int = field(default=0, init=False)  # order of add(): the tie-break after priority
 
 
 @dataclass(slots=True)
@@ -160,6 +174,10 @@ class EngineModel:
         self._ratio_decay = (cfg.init_new_token_ratio - self._min_ratio) / cfg.new_token_ratio_decay_steps
         self._plan: _Plan | None = None
         self._events = StepEvents()
+        self._arrivals = 0
+        self._by_priority = cfg.priority_scheduling
+        self._sign = 1 if cfg.low_priority_first else -1  # sort key: sign x priority, ascending
+        self._unsorted = False  # the waiting queue gained a request since it was last sorted
         self.steps = 0
         self.queued_total = 0
         self.max_waiting = 0
@@ -230,13 +248,20 @@ class EngineModel:
             # A fully cached prompt still computes its last token, as the engines do.
             r.prefill_tokens = max(1, r.prefill_tokens)
         self._reqs[r.rid] = r
+        self._arrivals += 1
+        r.arrival = self._arrivals
         if r.pd and self._decode:
             self._set_phase(r, Phase.PREALLOC)
             self._prealloc.append(r)
         else:
             self._set_phase(r, Phase.WAITING)
             self._waiting.append(r)
+            self._unsorted = True
         self._fresh.append(r)
+
+    def _order(self, r: ModelRequest) -> tuple[int, int]:
+        """Priority scheduling's order: priority (by the configured sign), then arrival."""
+        return self._sign * r.priority, r.arrival
 
     def transferred(self, rid: Hashable) -> None:
         """A preallocated PD request's KV has arrived: it may now join the batch."""
@@ -279,7 +304,11 @@ class EngineModel:
         decode: list[ModelRequest] = []
         budget = self.cfg.max_prefill_tokens
         prefill = decode_seqs = alloc = 0
-        for r in self._running.values():
+        running: Iterable[ModelRequest] = self._running.values()
+        if self._by_priority:
+            # Prefills under way first (a chunked request is continued), then the rest by priority.
+            running = sorted(running, key=lambda r: (r.computed == 0, *self._order(r)))
+        for r in running:
             rest = r.prefill_tokens - r.computed
             if rest <= 0:
                 decode.append(r)
@@ -419,6 +448,11 @@ class EngineModel:
     def _admit(self) -> None:
         cap = self.cfg.max_running_seqs
         q = self._waiting
+        if self._by_priority and self._unsorted:
+            live = sorted((r for r in q if r.phase is Phase.WAITING), key=self._order)
+            q.clear()
+            q.extend(live)
+        self._unsorted = False
         reserve_on = self._sglang and self._decode
         reserve = self._reserve(self._running.values()) if reserve_on and q else 0.0
         while q:
@@ -494,7 +528,10 @@ class EngineModel:
                 self.new_token_ratio = 1.0
         else:
             while self._running and self.free_kv < need:
-                r = self._running[next(reversed(self._running))]
+                if self._by_priority:  # the lowest priority, then the newest
+                    r = max(self._running.values(), key=self._order)
+                else:
+                    r = self._running[next(reversed(self._running))]
                 if r.generated > 0 and r.computed >= r.prefill_tokens:
                     need -= r.seqs
                 self.preemptions += 1
@@ -510,5 +547,6 @@ class EngineModel:
         r.recomputing = True
         self._set_phase(r, Phase.WAITING)
         self._waiting.appendleft(r)
+        self._unsorted = True
         self._fresh.append(r)
         self._events.retracted.append(r.rid)

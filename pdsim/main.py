@@ -158,6 +158,20 @@ def build_parser() -> EnvArgumentParser:
         help="waiting requests beyond which arrivals get 503 (default unbounded)",
     )
     m.add_argument(
+        "--enable-priority-scheduling",
+        action="store_true",
+        default=None,
+        help="serve waiting requests by their 'priority' field, then arrival (SGLang's flag; under "
+        "--api vllm its --scheduling-policy priority, with --schedule-low-priority-values-first)",
+    )
+    m.add_argument(
+        "--schedule-low-priority-values-first",
+        action="store_true",
+        default=None,
+        help="with --enable-priority-scheduling: lower values first (vLLM's order; SGLang's default "
+        "is higher first)",
+    )
+    m.add_argument(
         "--kv-bandwidth-gbps",
         type=positive_float,
         default=None,
@@ -183,7 +197,14 @@ def build_parser() -> EnvArgumentParser:
     return p
 
 
-MODEL_FLAGS = ("time_scale", "max_prefill_tokens", "max_queued_requests", "kv_bandwidth_gbps")
+MODEL_FLAGS = (
+    "time_scale",
+    "max_prefill_tokens",
+    "max_queued_requests",
+    "kv_bandwidth_gbps",
+    "enable_priority_scheduling",
+    "schedule_low_priority_values_first",
+)
 
 
 def model_mode_from_args(args: argparse.Namespace) -> ModelMode | None:
@@ -193,6 +214,8 @@ def model_mode_from_args(args: argparse.Namespace) -> ModelMode | None:
         if given:
             raise ValueError(f"{', '.join(given)}: model-mode flag(s), need --profile")
         return None
+    if args.schedule_low_priority_values_first and not args.enable_priority_scheduling:
+        raise ValueError("--schedule-low-priority-values-first needs --enable-priority-scheduling")
     profile = PROFILES[args.profile]
     return ModelMode(
         profile=profile,
@@ -200,6 +223,8 @@ def model_mode_from_args(args: argparse.Namespace) -> ModelMode | None:
         max_prefill_tokens=args.max_prefill_tokens or 16384,
         max_queued_requests=args.max_queued_requests,
         kv_bandwidth_gbps=args.kv_bandwidth_gbps or profile.kv_bandwidth_gbps,
+        priority_scheduling=bool(args.enable_priority_scheduling),
+        low_priority_first=bool(args.schedule_low_priority_values_first),
     )
 
 

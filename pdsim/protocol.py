@@ -59,6 +59,9 @@ class GenRequest:
     min_tokens: int = 0
     # A batch of prompts; empty for the usual single ``prompt``.
     prompts: tuple[str | list[int], ...] = ()
+    # The request's scheduling priority (SGLang's and vLLM's top-level ``priority``; 0 when absent):
+    # orders the waiting queue of an engine that schedules by priority.
+    priority: int = 0
 
     @property
     def all_prompts(self) -> tuple[str | list[int], ...]:
@@ -395,6 +398,7 @@ def parse_request(
         flavor, min_given, max_tokens, given_max is not None, prompt_tokens, limits, min_param
     )
     rooms = _check_rooms(flavor, room, room_list, n, len(prompts), sample_rooms)
+    priority = _opt_int(body, "priority") or 0
     return GenRequest(
         api=api,
         prompt=prompts[0],
@@ -411,6 +415,7 @@ def parse_request(
         kv_transfer_params=kv,
         bootstrap_rooms=rooms,
         min_tokens=min_tokens,
+        priority=priority,
     )
 
 

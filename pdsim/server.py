@@ -62,6 +62,10 @@ class ModelMode:
     max_prefill_tokens: int = 16384
     max_queued_requests: int | None = None
     kv_bandwidth_gbps: float = 25.0
+    # Priority scheduling (SGLang --enable-priority-scheduling, vLLM --scheduling-policy priority):
+    # the waiting queue by each request's ``priority``, higher first unless ``low_priority_first``.
+    priority_scheduling: bool = False
+    low_priority_first: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +303,8 @@ class Engine:
                     max_running_seqs=cfg.running_max_req_size,
                     max_prefill_tokens=mm.max_prefill_tokens,
                     max_queued_requests=mm.max_queued_requests,
+                    priority_scheduling=mm.priority_scheduling,
+                    low_priority_first=mm.low_priority_first,
                 )
             )
             self.runner = BatchRunner(self.model, mm.time_scale, lambda: self.faults.slow)
@@ -497,6 +503,12 @@ class Engine:
             if faults.hang:
                 await self._stall()
             if self.runner is not None:
+                mm = self.cfg.model_mode
+                unordered = mm is not None and not mm.priority_scheduling
+                if req.priority and self.cfg.flavor == "vllm" and unordered:
+                    # As vLLM: a priority needs the priority scheduling policy (SGLang ignores it).
+                    message = f"Got priority {req.priority} but Priority scheduling is not enabled."
+                    return self.error(400, message, code=None, param="priority")
                 if self.cfg.role == "prefill":
                     return await self._prefill_model(request, req, rid, faults, self.runner)
                 return await self._decode_model(request, req, rid, faults, self.runner)
@@ -764,6 +776,7 @@ class Engine:
                     prompt_kv=prompt_tokens,
                     prefill_tokens=uncached,
                     max_new_tokens=1,
+                    priority=req.priority,
                 )
             )
             self.prompt_tokens_total.inc(prompt_tokens)
@@ -829,6 +842,7 @@ class Engine:
                     prefill_tokens=0 if pd else prompt_tokens,
                     max_new_tokens=req.max_tokens,
                     pd=pd,
+                    priority=req.priority,
                 )
             )
         except QueueFull:

@@ -187,3 +187,47 @@ async def test_vllm_protocol_in_model_mode(spawn: Launch) -> None:
         assert dm["vllm:num_requests_running"] == 0 and dm["vllm:kv_cache_usage_perc"] == 0
         pm = await scrape(s, p)
         assert pm["pdsim_prefill_tokens_total"] > 0
+
+
+async def test_priority_scheduling_serves_the_higher_priority_first(spawn: Launch) -> None:
+    (d,) = spawn(decode_flags(1, *PROFILE, "--time-scale", "4", "--enable-priority-scheduling"))
+    long_body = {"text": "hold", "sampling_params": {"max_new_tokens": 5000}, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        first = await s.post(d.url + "/generate", json=long_body)
+        await first.content.readline()  # running: it holds the only batch slot
+        low = asyncio.create_task(s.post(d.url + "/generate", json={**long_body, "priority": 0}))
+
+        def waiting(k: int) -> Callable[[], Awaitable[bool]]:
+            async def check() -> bool:
+                return await metric(s, d, "sglang:num_queue_reqs") == k
+
+            return check
+
+        await until(waiting(1), "the low-priority request to wait")
+        high = asyncio.create_task(s.post(d.url + "/generate", json={**long_body, "priority": 5}))
+        await until(waiting(2), "both requests to wait")
+        first.close()  # the slot comes free: the later, higher-priority request takes it
+        resp_high = await asyncio.wait_for(high, DEADLINE_S)
+        assert resp_high.status == 200
+        await asyncio.wait_for(resp_high.content.readline(), DEADLINE_S)
+        assert await metric(s, d, "sglang:num_queue_reqs") == 1  # the earlier, low one still waits
+        resp_high.close()
+        resp_low = await asyncio.wait_for(low, DEADLINE_S)
+        assert resp_low.status == 200
+        await asyncio.wait_for(resp_low.content.readline(), DEADLINE_S)
+        resp_low.close()
+        async with s.post(d.url + "/generate", json={**long_body, "priority": "high"}) as bad:
+            assert bad.status == 400
+            assert (await bad.json())["error"]["param"] == "priority"
+
+
+async def test_vllm_refuses_a_priority_without_priority_scheduling(spawn: Launch) -> None:
+    (d,) = spawn(decode_flags(2, *PROFILE, "--time-scale", "2", "--api", "vllm"))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "priority": 1}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(d.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 400
+            err = (await resp.json())["error"]
+        assert err["param"] == "priority" and "Priority scheduling is not enabled" in err["message"]
+        async with s.post(d.url + "/v1/chat/completions", json={**body, "priority": 0}) as resp:
+            assert resp.status == 200, await resp.text()

@@ -33,6 +33,8 @@ def model(
     max_prefill: int = 16384,
     max_queued: int | None = None,
     init_ratio: float = 0.7,
+    priority: bool = False,
+    low_first: bool = False,
 ) -> EngineModel:
     return EngineModel(
         ModelConfig(
@@ -44,6 +46,8 @@ def model(
             max_prefill_tokens=max_prefill,
             max_queued_requests=max_queued,
             init_new_token_ratio=init_ratio,
+            priority_scheduling=priority,
+            low_priority_first=low_first,
         )
     )
 
@@ -56,6 +60,7 @@ def req(
     n: int = 1,
     pd: bool = False,
     uncached: int | None = None,
+    priority: int = 0,
 ) -> ModelRequest:
     return ModelRequest(
         rid=rid,
@@ -65,6 +70,7 @@ def req(
         prefill_tokens=0 if pd else (prompt if uncached is None else uncached),
         max_new_tokens=max_new,
         pd=pd,
+        priority=priority,
     )
 
 
@@ -437,3 +443,69 @@ def test_many_steps_keep_the_books_balanced() -> None:
             assert m.running_seqs <= 6
         assert finished == set(range(40)), policy
         assert m.kv_used == 0 and m.pending_seqs == 0
+
+
+def _prefill_order(m: EngineModel) -> list[Hashable]:
+    done: list[Hashable] = []
+    for _, ev in iter(lambda: step(m), (None, StepEvents())):
+        done.extend(ev.prefilled)
+    return done
+
+
+def test_prefill_without_priority_scheduling_is_first_come_first_served() -> None:
+    m = model(role="prefill", max_prefill=1000, cap=1)
+    m.add(req("cold", prompt=3000, priority=0))
+    m.add(req("cold2", prompt=3000, priority=0))
+    m.add(req("cont", prompt=3000, priority=5))
+    assert _prefill_order(m) == ["cold", "cold2", "cont"]
+
+
+def test_priority_scheduling_serves_higher_values_first_then_arrival() -> None:
+    # cap 1: one prefill at a time, the rest wait (SGLang's waiting queue, sorted every step).
+    m = model(role="prefill", max_prefill=1000, cap=1, priority=True)
+    m.add(req("cold", prompt=3000, priority=0))
+    step(m)  # "cold" is under way: it is not displaced by what comes later
+    m.add(req("cold2", prompt=3000, priority=0))
+    m.add(req("hit", prompt=3000, priority=1))
+    m.add(req("cont", prompt=3000, priority=2))
+    m.add(req("cont2", prompt=3000, priority=2))
+    assert _prefill_order(m) == ["cold", "cont", "cont2", "hit", "cold2"]
+
+
+def test_priority_scheduling_orders_the_chunks_of_admitted_prefills() -> None:
+    # A prefill engine admits several prompts at once; a step's chunk budget goes to the prefill
+    # under way first (SGLang continues its chunked request), then by priority, not by arrival.
+    m = model(role="prefill", max_prefill=1000, cap=8, priority=True)
+    m.add(req("a", prompt=1500, priority=0))
+    m.add(req("b", prompt=1500, priority=0))
+    _, ev = step(m)  # 1000 of a's tokens
+    m.add(req("c", prompt=400, priority=3))
+    m.add(req("d", prompt=400, priority=3))
+    _, ev = step(m)  # a's last 500, then c and d before b
+    assert ev.prefilled == ["a", "c"]
+    assert _prefill_order(m) == ["d", "b"]
+
+
+def test_low_priority_values_first_reverses_the_order() -> None:
+    m = model(role="prefill", max_prefill=1000, cap=1, priority=True, low_first=True)
+    m.add(req("x", prompt=10, priority=0))
+    m.add(req("late", prompt=10, priority=3))
+    m.add(req("early", prompt=10, priority=-1))
+    assert _prefill_order(m) == ["early", "x", "late"]
+
+
+def test_vllm_priority_preempts_the_lowest_priority_then_newest() -> None:
+    m = model(kv=260, cap=8, policy="vllm", priority=True, low_first=True)
+    for rid, prio in (("a", 1), ("b", 0), ("c", 0)):
+        m.add(req(rid, prompt=50, max_new=200, pd=True, priority=prio))
+    m.plan_step()
+    m.take_events()
+    for rid in ("a", "b", "c"):
+        m.transferred(rid)
+    preempted: list[Hashable] = []
+    while not preempted:
+        d = m.plan_step()
+        preempted.extend(m.take_events().retracted)
+        if d is not None:
+            m.finish_step()
+    assert preempted == ["a"]  # the lowest priority (vLLM: the highest value), though not the newest
