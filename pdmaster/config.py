@@ -58,6 +58,7 @@ class MasterConfig:
     # data plane
     engine_protocol: str = "sglang"
     prefill_selection: str = "cache-aware"
+    engine_priority: str = "off"  # the class as the engines' request priority (pdmaster/engine_priority.py)
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     event_loop: str = "auto"
     # engine faults
@@ -133,6 +134,7 @@ class MasterConfig:
             ),
             engine_protocol=args.engine_protocol,
             prefill_selection=args.prefill_selection,
+            engine_priority=args.engine_priority,
             admission=policy_from_args(args),
             event_loop=args.event_loop,
             breaker=_breaker(args),

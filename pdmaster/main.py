@@ -20,6 +20,7 @@ from pdcoord.config import (
 from pdcoord.keepalive import DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S
 from pdcoord.tls import add_grpc_server_tls_flags
 from pdmaster.admission_controller import add_admission_flags
+from pdmaster.engine_priority import ORDERS
 
 
 def _api_key(text: str) -> str:
@@ -151,6 +152,15 @@ def build_parser() -> EnvArgumentParser:
         choices=["cache-aware", "round-robin"],
         default="cache-aware",
         help="how the prefill node is chosen (round-robin is for comparison)",
+    )
+    g.add_argument(
+        "--engine-priority",
+        choices=list(ORDERS),
+        default="off",
+        help="send each request's admission class to the engines as its 'priority' (continuations "
+        "first) for engines that schedule by priority: high-first for SGLang's "
+        "--enable-priority-scheduling, low-first for vLLM's --scheduling-policy priority (or SGLang "
+        "with --schedule-low-priority-values-first); off (default) leaves the client's body as is",
     )
     g.add_argument("--model", default=None, help="model name served; requests naming another get 404")
     g.add_argument(

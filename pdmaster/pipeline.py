@@ -29,15 +29,17 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 from aiohttp import web
 
-from pdmaster.admission import EXPECTED_WAIT
+from pdmaster.admission import EXPECTED_WAIT, RequestClass
 from pdmaster.admission_controller import AdmissionController, AdmissionRejected, HandedOff, Lease
 from pdmaster.context import RequestContext, RequestFailed
 from pdmaster.engine import Dispatch, EngineError, EnginePool, EngineResponse
 from pdmaster.engine.health import EngineBreakers, counts_as_failure
+from pdmaster.engine_priority import with_priority
 from pdmaster.fanout import Part, split
 from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import RequestMetrics
@@ -96,8 +98,11 @@ class RequestPipeline:
         max_retries: int = 0,
         pool_factory: Callable[[], EnginePool] = EnginePool,
         spill: Spill | None = None,
+        engine_priority: Mapping[RequestClass, int] | None = None,
     ) -> None:
         self.spill = spill
+        # --engine-priority: each class's ``priority`` for the engines (None: the client's body as is).
+        self.engine_priority = engine_priority
         self.router = router
         self.admission = admission
         self.dispatch_factory = dispatch_factory
@@ -362,7 +367,8 @@ class RequestPipeline:
         headers = ctx.engine_headers(ctx.engine_request_id)
         self.router.routed(prefill, ctx.hashes)
         try:
-            params = await self._dispatch.prefill(ctx.endpoint, ctx.parsed.body, prefill, headers)
+            body, _ = self._engine_body(ctx)
+            params = await self._dispatch.prefill(ctx.endpoint, body, prefill, headers)
         except EngineError as exc:
             self._failed_on(ctx, exc, f"prefill {prefill.node_id}")
             raise
@@ -380,7 +386,7 @@ class RequestPipeline:
         try:
             answer = await self._dispatch.decode(
                 ctx.endpoint,
-                ctx.parsed.body,
+                body,
                 params,
                 decode,
                 headers,
@@ -392,6 +398,13 @@ class RequestPipeline:
             raise
         self._settle(ctx, True)
         return answer
+
+    def _engine_body(self, ctx: RequestContext) -> tuple[Mapping[str, Any], bytes | None]:
+        """The body (and its JSON text, when reusable) the engines get: the client's, with the
+        class's ``priority`` under ``--engine-priority``."""
+        if self.engine_priority is None or ctx.request_class is None:
+            return ctx.parsed.body, ctx.raw
+        return with_priority(ctx.parsed.body, ctx.raw, self.engine_priority[ctx.request_class])
 
     def _failed_on(self, ctx: RequestContext, exc: EngineError, where: str) -> None:
         log.info(
@@ -411,15 +424,16 @@ class RequestPipeline:
         # A fresh id per dispatch: two clients reusing an X-Request-Id must not collide inside an
         # engine (vLLM keys its requests by it); the client's id stays in the response and the logs.
         ctx.engine_request_id = self.new_id()
+        body, raw = self._engine_body(ctx)
         self.router.routed(prefill, ctx.hashes)
         try:
             answer = await self._dispatch.open(
                 ctx.endpoint,
-                ctx.parsed.body,
+                body,
                 prefill,
                 ctx.decode,
                 ctx.engine_headers(ctx.engine_request_id),
-                ctx.raw,
+                raw,
                 ctx.lease.decode_sent if ctx.lease is not None else None,
                 _still_held(ctx.decode, self.admission.placement_held),
             )
@@ -483,10 +497,16 @@ class RequestPipeline:
                 ctx.lease.decode_sent()
 
         held = _still_held(decode, self.admission.placement_held)
+        priority = (
+            self.engine_priority[ctx.request_class]
+            if self.engine_priority is not None and ctx.request_class is not None
+            else None
+        )
 
         async def one(part: Part) -> EngineResponse:
+            body = part.body if priority is None else {**part.body, "priority": priority}
             return await dispatch.open(
-                ctx.endpoint, part.body, prefill, decode, ctx.engine_headers(self.new_id()), None, sent, held
+                ctx.endpoint, body, prefill, decode, ctx.engine_headers(self.new_id()), None, sent, held
             )
 
         try:

@@ -39,6 +39,7 @@ from pdmaster.config import MasterConfig
 from pdmaster.coordination import CoordinationService
 from pdmaster.engine import EnginePool, make_dispatch
 from pdmaster.engine.health import BreakerState, CircuitBreaker, EngineBreakers
+from pdmaster.engine_priority import class_priorities
 from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import MasterMetrics, RequestMetrics
 from pdmaster.pausewatch import PauseWatch
@@ -268,6 +269,7 @@ class MasterServer:
             on_engine_failure=self._on_engine_failure,
             max_retries=cfg.max_retries,
             spill=self.spill,
+            engine_priority=class_priorities(cfg.engine_priority),
             pool_factory=lambda: EnginePool(
                 connect_timeout_s=cfg.engine_connect_timeout,
                 first_byte_timeout_s=cfg.engine_first_byte_timeout,

@@ -89,7 +89,10 @@ def fleet(request: pytest.FixtureRequest, etcd, tmp_path_factory) -> Iterator[Fl
         c = LocalCluster(group, etcd.endpoint, f"dp-{variant}-{time.monotonic_ns()}")
         c.start_master("m1", engine_protocol=protocol, max_n=8, max_tokens=4096, max_body_bytes=65536,
                        model="sim", **staged)  # fmt: skip
-        c.start_master("rr", engine_protocol=protocol, prefill_selection="round-robin", model="sim", **staged)
+        # rr also sends the admission class as the engines' priority, in each engine's direction.
+        order = "low-first" if protocol == "vllm" else "high-first"
+        c.start_master("rr", engine_protocol=protocol, prefill_selection="round-robin", model="sim",
+                       engine_priority=order, **staged)  # fmt: skip
         # The engines check requests as strictly as the real ones (pdsim --api): SGLang refuses a
         # PD request with n > 1 (it would send every sample with one room), vLLM min_tokens > max_tokens.
         strict = {"api": "vllm"} if protocol == "vllm" else {"api": "sglang", "sglang_sample_rooms": "reject"}
@@ -230,6 +233,37 @@ def test_engines_get_bodies_they_accept(fleet: Fleet) -> None:
         assert all(r["body"].get("n", 1) == 1 for r in chat)
         rooms = {r["body"]["bootstrap_room"] for r in chat}
         assert len(rooms) == 2 and len(chat) == 4
+
+
+def test_engine_priority_carries_the_admission_class(fleet: Fleet) -> None:
+    """rr runs --engine-priority: both engines get the class as the request's priority (a client's
+    own replaced); m1 runs without it and leaves the client's body as is."""
+    clear_engine_logs(fleet)
+    sid = f"prio-{fleet.protocol}-{time.monotonic_ns()}"
+    messages = [{"role": "user", "content": f"priority turn {sid}"}]
+    turn = {"model": "sim", "messages": messages, "max_tokens": 2}
+    session = {"X-Session-Id": sid}
+    first = post(fleet.rr.url + "/v1/chat/completions", turn, headers=session)
+    second = post(fleet.rr.url + "/v1/chat/completions", {**turn, "priority": 7}, headers=session)
+    plain = post(fleet.url + "/v1/chat/completions", {**turn, "priority": 5})
+    assert [r.status_code for r in (first, second, plain)] == [200, 200, 200], [first.text, second.text]
+    classes = [first.headers["X-Admission-Class"], second.headers["X-Admission-Class"]]
+    assert classes[1] == "continuation" and classes[0] != "continuation"
+    high_first = fleet.protocol != "vllm"
+    want = {"continuation": 2, "probable_cache_hit": 1, "cold": 0}
+    if not high_first:
+        want = {c: 2 - v for c, v in want.items()}
+    log = engine_log(fleet, [*PREFILL, *DECODE])
+    legs = [r for r in log if r["body"].get("messages") == messages]
+    # Each request's legs, told apart by what the client sent; every leg reached both roles.
+    by_priority: dict[int, set[str]] = {}
+    for r in legs:
+        assert r["status"] == 200, r
+        by_priority.setdefault(r["body"]["priority"], set()).add("P" if r["engine"] in PREFILL else "D")
+    assert by_priority[want[classes[0]]] == {"P", "D"}
+    assert by_priority[want["continuation"]] == {"P", "D"}
+    assert 7 not in by_priority  # the client's own priority was replaced
+    assert by_priority[5] == {"P", "D"}  # m1 (no --engine-priority) passed the client's own on
 
 
 def test_generate_with_sglang_request_shape(fleet: Fleet) -> None:

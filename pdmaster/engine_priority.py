@@ -1,0 +1,54 @@
+"""The priority a request carries to the engines (``--engine-priority``): its admission class, so
+that an engine scheduling by priority prefills continuations first.
+
+Why. Admission orders requests only until they are sent. A prefill engine runs the prompts it holds
+first come first served, and several masters (or one master's earlier grants) may have filled it with
+long cold prompts just before a continuation arrives: the continuation then waits behind them, past
+its time-to-first-token target, although every master ranked it first. SGLang
+(``--enable-priority-scheduling``) and vLLM (``--scheduling-policy priority``) order their waiting
+queue by a request's top-level ``priority`` field; with this flag the master sets that field from the
+class, so the engines keep the masters' order among whatever they hold, whoever sent it.
+
+The value follows the engines' direction: ``high-first`` (SGLang's default) sends continuation 2,
+probable cache hit 1, cold 0; ``low-first`` (vLLM, or SGLang with
+``--schedule-low-priority-values-first``) sends 0, 1, 2. A client's own ``priority`` is replaced.
+Off by default: vLLM refuses a non-zero priority (400) unless it schedules by priority.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pdmaster.admission import CLASS_ORDER, RequestClass
+
+__all__ = ["ORDERS", "class_priorities", "with_priority"]
+
+ORDERS = ("off", "high-first", "low-first")
+
+
+def class_priorities(order: str) -> dict[RequestClass, int] | None:
+    """Each class's ``priority`` value for engines that serve ``order``; None for ``off``."""
+    if order not in ORDERS:
+        raise ValueError(f"--engine-priority must be one of {', '.join(ORDERS)}, got {order!r}")
+    if order == "off":
+        return None
+    rank = {c: i for i, c in enumerate(CLASS_ORDER)}  # 0 = the highest class
+    top = len(CLASS_ORDER) - 1
+    return {c: (top - r if order == "high-first" else r) for c, r in rank.items()}
+
+
+def with_priority(
+    body: Mapping[str, Any], raw: bytes | None, value: int
+) -> tuple[dict[str, Any], bytes | None]:
+    """``body`` with ``priority`` set, and the client's JSON text with it appended when that text
+    ends in ``}`` and has no ``priority`` key of its own (re-encoding a whole prompt costs more than
+    the rest of the request path); None when it must be encoded afresh from the body."""
+    routed = dict(body)
+    routed["priority"] = value
+    if raw is None or b'"priority"' in raw:
+        return routed, None
+    head = raw.rstrip()
+    if not head.endswith(b"}"):
+        return routed, None
+    return routed, head[:-1] + (b"," if body else b"") + b'"priority":%d}' % value
