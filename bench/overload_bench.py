@@ -133,6 +133,9 @@ def contender_spec(name: str) -> dict[str, Any]:
         # -spill: a request a master refuses at once for its expected wait tries the other masters
         # (--spill-peers, pdmaster/spill.py)
         spec["spill"] = "spill" in parts
+        # -prio: the engines schedule by priority (SGLang --enable-priority-scheduling, vLLM's order)
+        # and the masters send the admission class as it (--engine-priority)
+        spec["prio"] = "prio" in parts
     else:
         raise SystemExit(f"--contenders: unknown contender {name!r}")
     return spec
@@ -325,6 +328,10 @@ def run_one(
             for name, cap in capacities.items():
                 role = "prefill" if name.startswith("p") else "decode"
                 ea = engine_args(args, role, vllm)
+                if spec.get("prio"):
+                    ea["enable_priority_scheduling"] = True
+                    if vllm:
+                        ea["schedule_low_priority_values_first"] = True
                 if spec["kind"] == "pdcoord" and role == "decode" and spec.get("over"):
                     engines[name] = c.start_engine(name, role, cap, fast=False, **ea)
                     advertised = math.ceil(cap * (1 + spec["over"]))
@@ -362,6 +369,8 @@ def run_one(
                     extra["prefill_lookahead"] = f"{spec['lookahead']:g}"
                 if spec["spill"]:
                     extra["spill_peers"] = str(len(ids) - 1)
+                if spec["prio"]:
+                    extra["engine_priority"] = "low-first" if vllm else "high-first"
                 for mid in ids:
                     masters.append(c.start_master(mid, **extra))
                 c.wait_for(lambda: c.full_capacity_held(ids, capacities), timeout=90)
