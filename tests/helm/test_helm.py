@@ -802,6 +802,7 @@ def test_security_flags_exist_in_the_cli(helm: str, module: str, prog: str, comm
 
 BAD_VALUES = {
     "engine-protocol": ({"master": {"engineProtocol": "foo"}}, "engineProtocol"),
+    "engine-priority": ({"master": {"enginePriority": "fifo"}}, "enginePriority"),
     "negative-replicas": ({"master": {"replicaCount": -1}}, "replicaCount"),
     "zero-etcd-members": ({"etcd": {"replicaCount": 0}}, "replicaCount"),
     "external-etcd-without-endpoints": ({"etcd": {"enabled": False}}, "endpoints"),

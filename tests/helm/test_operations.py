@@ -312,6 +312,15 @@ def test_network_policies_select_the_pods_and_ports_they_protect() -> None:
     )
 
 
+def test_engine_priority_reaches_the_masters_only_when_set() -> None:
+    def args(docs: list[Doc]) -> list[str]:
+        return list(_pod(docs, "Deployment", f"{RELEASE}-pdcoord-master")["spec"]["containers"][0]["args"])
+
+    assert not [a for a in args(render(None)) if a.startswith("--engine-priority")]
+    for order in ("high-first", "low-first"):
+        assert f"--engine-priority={order}" in args(render({"master": {"enginePriority": order}}))
+
+
 # --- chart: TLS to the bundled etcd --------------------------------------------------------------
 
 
