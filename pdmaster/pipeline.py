@@ -399,12 +399,19 @@ class RequestPipeline:
         self._settle(ctx, True)
         return answer
 
-    def _engine_body(self, ctx: RequestContext) -> tuple[Mapping[str, Any], bytes | None]:
-        """The body (and its JSON text, when reusable) the engines get: the client's, with the
-        class's ``priority`` under ``--engine-priority``."""
+    def _priority(self, ctx: RequestContext) -> int | None:
+        """The ``priority`` the engines get for this request (``--engine-priority``), or None."""
         if self.engine_priority is None or ctx.request_class is None:
+            return None
+        return self.engine_priority[ctx.request_class]
+
+    def _engine_body(self, ctx: RequestContext) -> tuple[Mapping[str, Any], bytes | None]:
+        """The body (and its JSON text, when reusable) the engines get: the client's, with its
+        ``priority`` under ``--engine-priority``."""
+        priority = self._priority(ctx)
+        if priority is None:
             return ctx.parsed.body, ctx.raw
-        return with_priority(ctx.parsed.body, ctx.raw, self.engine_priority[ctx.request_class])
+        return with_priority(ctx.parsed.body, ctx.raw, priority)
 
     def _failed_on(self, ctx: RequestContext, exc: EngineError, where: str) -> None:
         log.info(
@@ -497,11 +504,7 @@ class RequestPipeline:
                 ctx.lease.decode_sent()
 
         held = _still_held(decode, self.admission.placement_held)
-        priority = (
-            self.engine_priority[ctx.request_class]
-            if self.engine_priority is not None and ctx.request_class is not None
-            else None
-        )
+        priority = self._priority(ctx)
 
         async def one(part: Part) -> EngineResponse:
             body = part.body if priority is None else {**part.body, "priority": priority}
