@@ -468,6 +468,13 @@ class Engine:
                 raise BadRequest(
                     "'bootstrap_room' needs 'bootstrap_host' and 'bootstrap_port'", param="bootstrap_host"
                 )
+            vllm_unordered = self.cfg.flavor == "vllm" and not (
+                self.model is not None and self.model.cfg.priority_scheduling
+            )
+            if self.model is not None and req.priority and vllm_unordered:
+                # As vLLM: a priority needs the priority scheduling policy (SGLang ignores it).
+                message = f"Got priority {req.priority} but Priority scheduling is not enabled."
+                raise BadRequest(message, param="priority")
             if self.model is not None:
                 # A request that could never run alone here would be retracted forever.
                 prompt = sum(count_tokens(p) for p in req.all_prompts)
@@ -503,12 +510,6 @@ class Engine:
             if faults.hang:
                 await self._stall()
             if self.runner is not None:
-                mm = self.cfg.model_mode
-                unordered = mm is not None and not mm.priority_scheduling
-                if req.priority and self.cfg.flavor == "vllm" and unordered:
-                    # As vLLM: a priority needs the priority scheduling policy (SGLang ignores it).
-                    message = f"Got priority {req.priority} but Priority scheduling is not enabled."
-                    return self.error(400, message, code=None, param="priority")
                 if self.cfg.role == "prefill":
                     return await self._prefill_model(request, req, rid, faults, self.runner)
                 return await self._decode_model(request, req, rid, faults, self.runner)
