@@ -358,16 +358,22 @@ def test_retraction_frees_enough_for_twenty_steps_and_raises_the_ratio() -> None
     assert m.retracted_output_tokens > 0
 
 
+def _until_displaced(m: EngineModel) -> list[Hashable]:
+    """Step until a step retracts or preempts; the requests it displaced."""
+    displaced: list[Hashable] = []
+    while not displaced:
+        d = m.plan_step()
+        displaced.extend(m.take_events().retracted)
+        if d is not None:
+            m.finish_step()
+    return displaced
+
+
 def test_vllm_preempts_newest_first_by_recompute() -> None:
     m = model(kv=260, cap=8, policy="vllm")
     specs = [("a", 50, 200), ("b", 50, 200), ("c", 50, 200)]
     _fill(m, specs, {"a": 30, "b": 20, "c": 10})
-    preempted: list[Hashable] = []
-    while not preempted:
-        d = m.plan_step()
-        preempted.extend(m.take_events().retracted)
-        if d is not None:
-            m.finish_step()
+    preempted = _until_displaced(m)
     assert preempted == ["c"]  # the last admitted
     assert m.preemptions == 1 and m.retracted_requests == 0
     c = m.get("c")
@@ -502,10 +508,5 @@ def test_vllm_priority_preempts_the_lowest_priority_then_newest() -> None:
     m.take_events()
     for rid in ("a", "b", "c"):
         m.transferred(rid)
-    preempted: list[Hashable] = []
-    while not preempted:
-        d = m.plan_step()
-        preempted.extend(m.take_events().retracted)
-        if d is not None:
-            m.finish_step()
+    preempted = _until_displaced(m)
     assert preempted == ["a"]  # the lowest priority (vLLM: the highest value), though not the newest
