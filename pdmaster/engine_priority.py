@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdmaster.admission import CLASS_ORDER, RequestClass
+from pdmaster.engine import append_fields
 
 __all__ = ["ORDERS", "class_priorities", "with_priority"]
 
@@ -41,14 +42,9 @@ def class_priorities(order: str) -> dict[RequestClass, int] | None:
 def with_priority(
     body: Mapping[str, Any], raw: bytes | None, value: int
 ) -> tuple[dict[str, Any], bytes | None]:
-    """``body`` with ``priority`` set, and the client's JSON text with it appended when that text
-    ends in ``}`` and has no ``priority`` key of its own (re-encoding a whole prompt costs more than
-    the rest of the request path); None when it must be encoded afresh from the body."""
+    """``body`` with ``priority`` set, and the client's JSON text with it appended
+    (:func:`~pdmaster.engine.append_fields`; None when it must be encoded afresh from the body, as
+    when the client sent a ``priority`` of its own)."""
     routed = dict(body)
     routed["priority"] = value
-    if raw is None or b'"priority"' in raw:
-        return routed, None
-    head = raw.rstrip()
-    if not head.endswith(b"}"):
-        return routed, None
-    return routed, head[:-1] + (b"," if body else b"") + b'"priority":%d}' % value
+    return routed, append_fields(raw, bool(body), b'"priority":%d' % value, b'"priority"')

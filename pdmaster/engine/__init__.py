@@ -7,6 +7,7 @@ from pdmaster.engine.dispatch import (
     EngineResponse,
     SGLangDispatch,
     VLLMDispatch,
+    append_fields,
     make_dispatch,
     with_bootstrap,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "Exchange",
     "SGLangDispatch",
     "VLLMDispatch",
+    "append_fields",
     "make_dispatch",
     "origin",
     "with_bootstrap",

@@ -24,6 +24,7 @@ __all__ = [
     "EngineResponse",
     "SGLangDispatch",
     "VLLMDispatch",
+    "append_fields",
     "make_dispatch",
     "with_bootstrap",
 ]
@@ -137,20 +138,27 @@ async def _answer(ex: Exchange, who: str, node: str | None = None) -> None:
         raise failure
 
 
-def with_bootstrap(raw: bytes | None, body: Mapping[str, Any], host: str, port: int, room: int) -> bytes:
-    """The request for P and D: the client's JSON plus bootstrap_host/port/room.
+def append_fields(raw: bytes | None, has_members: bool, fields: bytes, unless: bytes) -> bytes | None:
+    """The client's JSON text ``raw`` with the members ``fields`` (``"k":v,...``) appended, or None
+    when it cannot be done in place: no text, text that does not end in ``}``, or text that holds
+    ``unless`` (a key it would duplicate). Re-encoding a whole prompt with ``json.dumps`` is a
+    visible share of the master's CPU per request; this is what lets the engines' bodies skip it.
+    ``has_members``: the object is not empty (the fields need a comma before them)."""
+    if raw is None or unless in raw:
+        return None
+    head = raw.rstrip()
+    if not head.endswith(b"}"):
+        return None
+    return head[:-1] + (b"," if has_members else b"") + fields + b"}"
 
-    When the client's own bytes end in ``}`` and carry no bootstrap field, the three fields are
-    appended to them: re-encoding the whole body with ``json.dumps`` is a visible share of the
-    master's CPU per request. Otherwise the parsed body is encoded afresh.
-    """
-    if raw is not None and b"bootstrap_" not in raw:
-        head = raw.rstrip()
-        if head.endswith(b"}"):
-            fields = (
-                f'"bootstrap_host":{json.dumps(host)},"bootstrap_port":{int(port)},"bootstrap_room":{room}}}'
-            )
-            return head[:-1] + (b"," if body else b"") + fields.encode()
+
+def with_bootstrap(raw: bytes | None, body: Mapping[str, Any], host: str, port: int, room: int) -> bytes:
+    """The request for P and D: the client's JSON plus bootstrap_host/port/room, appended to the
+    client's own text when possible (:func:`append_fields`), else the parsed body encoded afresh."""
+    fields = f'"bootstrap_host":{json.dumps(host)},"bootstrap_port":{int(port)},"bootstrap_room":{room}'
+    appended = append_fields(raw, bool(body), fields.encode(), b"bootstrap_")
+    if appended is not None:
+        return appended
     routed = dict(body)
     routed["bootstrap_host"] = host
     routed["bootstrap_port"] = port
