@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpdcoord/v1/coordination.proto\x12\npdcoord.v1\"7\n\x05Grant\x12\x16\n\x0e\x63\x61pacity_share\x18\x01 \x01(\r\x12\x16\n\x0e\x63\x61pacity_epoch\x18\x02 \x01(\x04\"\xe3\x02\n\x08Register\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdcoord.v1.Role\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x1c\n\x14running_max_req_size\x18\x04 \x01(\r\x12\x37\n\nstart_args\x18\x05 \x03(\x0b\x32#.pdcoord.v1.Register.StartArgsEntry\x12\x15\n\ragent_version\x18\x06 \x01(\t\x12\x13\n\x0bincarnation\x18\x07 \x01(\x04\x12 \n\x05grant\x18\x08 \x01(\x0b\x32\x11.pdcoord.v1.Grant\x12\x13\n\x0b\x65ngine_down\x18\t \x01(\x08\x12\x15\n\rengine_reason\x18\n \x01(\t\x12\x11\n\tstream_id\x18\x0b \x01(\x04\x1a\x30\n\x0eStartArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"L\n\x04Load\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x10\n\x08probe_ok\x18\x04 \x01(\x08\"\x83\x01\n\x06Report\x12\x1e\n\x04load\x18\x01 \x01(\x0b\x32\x10.pdcoord.v1.Load\x12 \n\x05grant\x18\x02 \x01(\x0b\x32\x11.pdcoord.v1.Grant\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x13\n\x0b\x65ngine_down\x18\x04 \x01(\x08\x12\x15\n\rengine_reason\x18\x05 \x01(\t\"\x19\n\x07Leaving\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x8d\x01\n\x0c\x41gentMessage\x12(\n\x08register\x18\x01 \x01(\x0b\x32\x14.pdcoord.v1.RegisterH\x00\x12$\n\x06report\x18\x02 \x01(\x0b\x32\x12.pdcoord.v1.ReportH\x00\x12&\n\x07leaving\x18\x03 \x01(\x0b\x32\x13.pdcoord.v1.LeavingH\x00\x42\x05\n\x03msg\"\xcc\x01\n\x03\x41\x63k\x12\x11\n\tmaster_id\x18\x01 \x01(\t\x12\x15\n\rapplied_epoch\x18\x02 \x01(\x04\x12\x14\n\x0c\x61\x63tive_slots\x18\x03 \x01(\r\x12\x14\n\x0cwanted_slots\x18\x04 \x01(\r\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x17\n\nkept_slots\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0b\x66loor_slots\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\r\n\x0b_kept_slotsB\x0e\n\x0c_floor_slots\"6\n\rMasterMessage\x12\x1e\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x0f.pdcoord.v1.AckH\x00\x42\x05\n\x03msg*5\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREFILL\x10\x01\x12\n\n\x06\x44\x45\x43ODE\x10\x02\x32V\n\x10NodeCoordination\x12\x42\n\x07\x43onnect\x12\x18.pdcoord.v1.AgentMessage\x1a\x19.pdcoord.v1.MasterMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpdcoord/v1/coordination.proto\x12\npdcoord.v1\"a\n\x05Grant\x12\x16\n\x0e\x63\x61pacity_share\x18\x01 \x01(\r\x12\x16\n\x0e\x63\x61pacity_epoch\x18\x02 \x01(\x04\x12\x18\n\x0btoken_share\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_token_share\"\x89\x03\n\x08Register\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdcoord.v1.Role\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x1c\n\x14running_max_req_size\x18\x04 \x01(\r\x12\x37\n\nstart_args\x18\x05 \x03(\x0b\x32#.pdcoord.v1.Register.StartArgsEntry\x12\x15\n\ragent_version\x18\x06 \x01(\t\x12\x13\n\x0bincarnation\x18\x07 \x01(\x04\x12 \n\x05grant\x18\x08 \x01(\x0b\x32\x11.pdcoord.v1.Grant\x12\x13\n\x0b\x65ngine_down\x18\t \x01(\x08\x12\x15\n\rengine_reason\x18\n \x01(\t\x12\x11\n\tstream_id\x18\x0b \x01(\x04\x12\x16\n\tkv_tokens\x18\x0c \x01(\x04H\x00\x88\x01\x01\x1a\x30\n\x0eStartArgsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0c\n\n_kv_tokens\"\xb6\x01\n\x04Load\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x10\n\x08probe_ok\x18\x04 \x01(\x08\x12\x18\n\x0bretractions\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12#\n\x16prefill_backlog_tokens\x18\x06 \x01(\x04H\x01\x88\x01\x01\x42\x0e\n\x0c_retractionsB\x19\n\x17_prefill_backlog_tokens\"\x83\x01\n\x06Report\x12\x1e\n\x04load\x18\x01 \x01(\x0b\x32\x10.pdcoord.v1.Load\x12 \n\x05grant\x18\x02 \x01(\x0b\x32\x11.pdcoord.v1.Grant\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x13\n\x0b\x65ngine_down\x18\x04 \x01(\x08\x12\x15\n\rengine_reason\x18\x05 \x01(\t\"\x19\n\x07Leaving\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x8d\x01\n\x0c\x41gentMessage\x12(\n\x08register\x18\x01 \x01(\x0b\x32\x14.pdcoord.v1.RegisterH\x00\x12$\n\x06report\x18\x02 \x01(\x0b\x32\x12.pdcoord.v1.ReportH\x00\x12&\n\x07leaving\x18\x03 \x01(\x0b\x32\x13.pdcoord.v1.LeavingH\x00\x42\x05\n\x03msg\"\xd2\x02\n\x03\x41\x63k\x12\x11\n\tmaster_id\x18\x01 \x01(\t\x12\x15\n\rapplied_epoch\x18\x02 \x01(\x04\x12\x14\n\x0c\x61\x63tive_slots\x18\x03 \x01(\r\x12\x14\n\x0cwanted_slots\x18\x04 \x01(\r\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x17\n\nkept_slots\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0b\x66loor_slots\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x1a\n\ractive_tokens\x18\t \x01(\x04H\x02\x88\x01\x01\x12\x1a\n\rwanted_tokens\x18\n \x01(\x04H\x03\x88\x01\x01\x12\x18\n\x0bkept_tokens\x18\x0b \x01(\x04H\x04\x88\x01\x01\x42\r\n\x0b_kept_slotsB\x0e\n\x0c_floor_slotsB\x10\n\x0e_active_tokensB\x10\n\x0e_wanted_tokensB\x0e\n\x0c_kept_tokens\"6\n\rMasterMessage\x12\x1e\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x0f.pdcoord.v1.AckH\x00\x42\x05\n\x03msg*5\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREFILL\x10\x01\x12\n\n\x06\x44\x45\x43ODE\x10\x02\x32V\n\x10NodeCoordination\x12\x42\n\x07\x43onnect\x12\x18.pdcoord.v1.AgentMessage\x1a\x19.pdcoord.v1.MasterMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGISTER_STARTARGSENTRY']._loaded_options = None
   _globals['_REGISTER_STARTARGSENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=1106
-  _globals['_ROLE']._serialized_end=1159
+  _globals['_ROLE']._serialized_start=1427
+  _globals['_ROLE']._serialized_end=1480
   _globals['_GRANT']._serialized_start=45
-  _globals['_GRANT']._serialized_end=100
-  _globals['_REGISTER']._serialized_start=103
-  _globals['_REGISTER']._serialized_end=458
-  _globals['_REGISTER_STARTARGSENTRY']._serialized_start=410
-  _globals['_REGISTER_STARTARGSENTRY']._serialized_end=458
-  _globals['_LOAD']._serialized_start=460
-  _globals['_LOAD']._serialized_end=536
-  _globals['_REPORT']._serialized_start=539
-  _globals['_REPORT']._serialized_end=670
-  _globals['_LEAVING']._serialized_start=672
-  _globals['_LEAVING']._serialized_end=697
-  _globals['_AGENTMESSAGE']._serialized_start=700
-  _globals['_AGENTMESSAGE']._serialized_end=841
-  _globals['_ACK']._serialized_start=844
-  _globals['_ACK']._serialized_end=1048
-  _globals['_MASTERMESSAGE']._serialized_start=1050
-  _globals['_MASTERMESSAGE']._serialized_end=1104
-  _globals['_NODECOORDINATION']._serialized_start=1161
-  _globals['_NODECOORDINATION']._serialized_end=1247
+  _globals['_GRANT']._serialized_end=142
+  _globals['_REGISTER']._serialized_start=145
+  _globals['_REGISTER']._serialized_end=538
+  _globals['_REGISTER_STARTARGSENTRY']._serialized_start=476
+  _globals['_REGISTER_STARTARGSENTRY']._serialized_end=524
+  _globals['_LOAD']._serialized_start=541
+  _globals['_LOAD']._serialized_end=723
+  _globals['_REPORT']._serialized_start=726
+  _globals['_REPORT']._serialized_end=857
+  _globals['_LEAVING']._serialized_start=859
+  _globals['_LEAVING']._serialized_end=884
+  _globals['_AGENTMESSAGE']._serialized_start=887
+  _globals['_AGENTMESSAGE']._serialized_end=1028
+  _globals['_ACK']._serialized_start=1031
+  _globals['_ACK']._serialized_end=1369
+  _globals['_MASTERMESSAGE']._serialized_start=1371
+  _globals['_MASTERMESSAGE']._serialized_end=1425
+  _globals['_NODECOORDINATION']._serialized_start=1482
+  _globals['_NODECOORDINATION']._serialized_end=1568
 # @@protoc_insertion_point(module_scope)

@@ -17,15 +17,17 @@ PREFILL: Role
 DECODE: Role
 
 class Grant(_message.Message):
-    __slots__ = ("capacity_share", "capacity_epoch")
+    __slots__ = ("capacity_share", "capacity_epoch", "token_share")
     CAPACITY_SHARE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_SHARE_FIELD_NUMBER: _ClassVar[int]
     capacity_share: int
     capacity_epoch: int
-    def __init__(self, capacity_share: _Optional[int] = ..., capacity_epoch: _Optional[int] = ...) -> None: ...
+    token_share: int
+    def __init__(self, capacity_share: _Optional[int] = ..., capacity_epoch: _Optional[int] = ..., token_share: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "role", "endpoint", "running_max_req_size", "start_args", "agent_version", "incarnation", "grant", "engine_down", "engine_reason", "stream_id")
+    __slots__ = ("node_id", "role", "endpoint", "running_max_req_size", "start_args", "agent_version", "incarnation", "grant", "engine_down", "engine_reason", "stream_id", "kv_tokens")
     class StartArgsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +46,7 @@ class Register(_message.Message):
     ENGINE_DOWN_FIELD_NUMBER: _ClassVar[int]
     ENGINE_REASON_FIELD_NUMBER: _ClassVar[int]
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: Role
     endpoint: str
@@ -55,19 +58,24 @@ class Register(_message.Message):
     engine_down: bool
     engine_reason: str
     stream_id: int
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., endpoint: _Optional[str] = ..., running_max_req_size: _Optional[int] = ..., start_args: _Optional[_Mapping[str, str]] = ..., agent_version: _Optional[str] = ..., incarnation: _Optional[int] = ..., grant: _Optional[_Union[Grant, _Mapping]] = ..., engine_down: _Optional[bool] = ..., engine_reason: _Optional[str] = ..., stream_id: _Optional[int] = ...) -> None: ...
+    kv_tokens: int
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., endpoint: _Optional[str] = ..., running_max_req_size: _Optional[int] = ..., start_args: _Optional[_Mapping[str, str]] = ..., agent_version: _Optional[str] = ..., incarnation: _Optional[int] = ..., grant: _Optional[_Union[Grant, _Mapping]] = ..., engine_down: _Optional[bool] = ..., engine_reason: _Optional[str] = ..., stream_id: _Optional[int] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running", "waiting", "kv_usage", "probe_ok")
+    __slots__ = ("running", "waiting", "kv_usage", "probe_ok", "retractions", "prefill_backlog_tokens")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     PROBE_OK_FIELD_NUMBER: _ClassVar[int]
+    RETRACTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_BACKLOG_TOKENS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_usage: float
     probe_ok: bool
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., probe_ok: _Optional[bool] = ...) -> None: ...
+    retractions: int
+    prefill_backlog_tokens: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., probe_ok: _Optional[bool] = ..., retractions: _Optional[int] = ..., prefill_backlog_tokens: _Optional[int] = ...) -> None: ...
 
 class Report(_message.Message):
     __slots__ = ("load", "grant", "seq", "engine_down", "engine_reason")
@@ -100,7 +108,7 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., report: _Optional[_Union[Report, _Mapping]] = ..., leaving: _Optional[_Union[Leaving, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("master_id", "applied_epoch", "active_slots", "wanted_slots", "seq", "draining", "kept_slots", "floor_slots")
+    __slots__ = ("master_id", "applied_epoch", "active_slots", "wanted_slots", "seq", "draining", "kept_slots", "floor_slots", "active_tokens", "wanted_tokens", "kept_tokens")
     MASTER_ID_FIELD_NUMBER: _ClassVar[int]
     APPLIED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +117,9 @@ class Ack(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     KEPT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     FLOOR_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WANTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     master_id: str
     applied_epoch: int
     active_slots: int
@@ -117,7 +128,10 @@ class Ack(_message.Message):
     draining: bool
     kept_slots: int
     floor_slots: int
-    def __init__(self, master_id: _Optional[str] = ..., applied_epoch: _Optional[int] = ..., active_slots: _Optional[int] = ..., wanted_slots: _Optional[int] = ..., seq: _Optional[int] = ..., draining: _Optional[bool] = ..., kept_slots: _Optional[int] = ..., floor_slots: _Optional[int] = ...) -> None: ...
+    active_tokens: int
+    wanted_tokens: int
+    kept_tokens: int
+    def __init__(self, master_id: _Optional[str] = ..., applied_epoch: _Optional[int] = ..., active_slots: _Optional[int] = ..., wanted_slots: _Optional[int] = ..., seq: _Optional[int] = ..., draining: _Optional[bool] = ..., kept_slots: _Optional[int] = ..., floor_slots: _Optional[int] = ..., active_tokens: _Optional[int] = ..., wanted_tokens: _Optional[int] = ..., kept_tokens: _Optional[int] = ...) -> None: ...
 
 class MasterMessage(_message.Message):
     __slots__ = ("ack",)
