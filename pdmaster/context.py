@@ -41,6 +41,7 @@ class RequestContext:
     # Circuit-breaker permissions of the current attempt (node id -> token), settled once it ends.
     permits: dict[str, int] = field(default_factory=dict)
     retries: int = 0  # attempts made again on another P/D pair after a failure before the first byte
+    tokens: int = 0  # KV tokens its lease charges on the decode node (pdmaster/token_charge.py)
 
     def engine_headers(self, engine_request_id: str) -> dict[str, str]:
         """What every engine request of this client request carries; the id is fresh per dispatch."""

@@ -55,6 +55,11 @@ FloorProvider = Callable[[str], int]
 KeptProvider = Callable[[str, int | None], tuple[int, int]]
 
 
+# (active_tokens, wanted_tokens, kept_tokens) of this master on a node, for the Ack: the token
+# counterparts of the slot counts (``kept_tokens`` matches the kept_slots of the same Ack).
+TokensProvider = Callable[[str], tuple[int, int, int]]
+
+
 def _no_slots(_node_id: str) -> tuple[int, int]:
     return 0, 0
 
@@ -92,7 +97,9 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         kept: KeptProvider | None = None,
         on_closed: ClosedListener | None = None,
         floor: FloorProvider | None = None,
+        tokens: TokensProvider | None = None,
     ) -> None:
+        self.tokens = tokens  # None: Acks without token counts (as masters of earlier releases)
         self.on_engine = on_engine
         self.floor = floor  # None: Acks without floor_slots (the agent's --share-floor applies)
         self.on_closed = on_closed
@@ -130,6 +137,11 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         )
         if self.kept is not None:
             ack.kept_slots, mark = self.kept(node_id, mark)
+        if self.tokens is not None and st.decode:
+            active_t, wanted_t, kept_t = self.tokens(node_id)
+            ack.active_tokens, ack.wanted_tokens = active_t, 0 if lost else wanted_t
+            if self.kept is not None:
+                ack.kept_tokens = kept_t
         if self.floor is not None and st.decode:
             # nothing to keep while admission holds nothing (lease lost) or takes nothing (draining)
             ack.floor_slots = 0 if (lost or draining) else self.floor(node_id)
@@ -209,6 +221,7 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
             )
         reg = first.register
         grant = (reg.grant.capacity_share, reg.grant.capacity_epoch) if reg.HasField("grant") else None
+        has_tokens = reg.HasField("grant") and reg.grant.HasField("token_share")
         try:
             node, stream = self.registry.register(
                 node_id=reg.node_id,
@@ -222,6 +235,8 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                 grant=grant,
                 engine_down=reg.engine_down,
                 engine_reason=reg.engine_reason,
+                kv_tokens=reg.kv_tokens if reg.HasField("kv_tokens") else None,
+                token_share=reg.grant.token_share if has_tokens else None,
             )
         except ProtocolError as exc:
             await self._refuse(context, exc.code, exc.message)
@@ -229,13 +244,16 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
         node_id = node.node_id
         node.heard_at = time.monotonic()
         log.info(
-            "node %s (%s, %s) connected: share %d epoch %d%s",
+            "node %s (%s, %s) connected: share %d epoch %d%s%s",
             node_id,
             node.role,
             node.endpoint,
             node.share,
             node.epoch,
             " (legacy agent: full capacity)" if node.legacy else "",
+            f", tokens {node.token_share} of {node.kv_tokens}"
+            if node.kv_tokens is not None
+            else (", no KV pool published: slots only" if node.role == DECODE else ""),
         )
         if node.engine_down:
             log.warning("node %s registered with its engine down: %s", node_id, node.engine_reason or "?")
@@ -326,7 +344,11 @@ class CoordinationService(pb_grpc.NodeCoordinationServicer):
                 if rep.HasField("grant"):
                     try:
                         self.registry.apply_grant(
-                            node_id, stream, rep.grant.capacity_share, rep.grant.capacity_epoch
+                            node_id,
+                            stream,
+                            rep.grant.capacity_share,
+                            rep.grant.capacity_epoch,
+                            rep.grant.token_share if rep.grant.HasField("token_share") else None,
                         )
                     except ProtocolError as exc:
                         await self._refuse(context, exc.code, exc.message)

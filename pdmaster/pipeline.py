@@ -49,6 +49,8 @@ from pdmaster.relay import NO_LEASE, relay_body, relay_parts_body, relay_parts_s
 from pdmaster.routing import Router
 from pdmaster.spill import CACHED_HEADER, SPILLED_HEADER, Spill, parse_cached, with_cached
 from pdmaster.staged_admission import StagedAdmission, StagedLease
+from pdmaster.token_charge import TokenCharge
+from pdmaster.validation import ParsedRequest
 
 __all__ = ["RequestPipeline"]
 
@@ -56,6 +58,20 @@ log = logging.getLogger(__name__)
 
 # (node_id, kind) of an engine failure the breaker counted, for the metrics.
 FailureListener = Callable[[str, str], None]
+
+
+def request_tokens(parsed: ParsedRequest, charges: TokenCharge) -> int:
+    """The KV tokens a request's lease charges: every prompt's tokens and expected output, n times."""
+    prompts = parsed.prompts
+    if prompts is None:
+        ids = parsed.input_ids
+        prompt = charges.prompt_tokens(len(parsed.prompt_text), None if ids is None else len(ids))
+        return charges.charge(prompt, parsed.max_tokens, parsed.n)
+    total = 0
+    for p in prompts:
+        prompt = charges.prompt_tokens(0, len(p)) if isinstance(p, list) else charges.prompt_tokens(len(p))
+        total += charges.charge(prompt, parsed.max_tokens, parsed.n)
+    return total
 
 
 def _failure_label(exc: EngineError) -> str:
@@ -99,8 +115,11 @@ class RequestPipeline:
         pool_factory: Callable[[], EnginePool] = EnginePool,
         spill: Spill | None = None,
         engine_priority: Mapping[RequestClass, int] | None = None,
+        charges: TokenCharge | None = None,
     ) -> None:
         self.spill = spill
+        # What a lease charges of a decode node's KV pool (None: slots only, no token charge).
+        self.charges = charges
         # --engine-priority: each class's ``priority`` for the engines (None: the client's body as is).
         self.engine_priority = engine_priority
         self.router = router
@@ -301,6 +320,8 @@ class RequestPipeline:
             ctx.estimate = with_cached(ctx.estimate, parse_cached(hint, ctx.estimate.total_blocks))
         ctx.request_class = self.admission.classify(ctx.session_id, ctx.estimate.hit_ratio)
         self.metrics.classified(ctx.request_class.name.lower())
+        if self.charges is not None:
+            ctx.tokens = request_tokens(parsed, self.charges)
 
     def route(self, ctx: RequestContext, exclude: Collection[str] = ()) -> None:
         """Choose P (never one in ``exclude``) and D; take a permission from each one's breaker

@@ -62,6 +62,15 @@ class Node:
     legacy: bool = False
     share: int = 0
     epoch: int = 0
+    # The decode engine's KV pool in tokens (Register.kv_tokens; None: it publishes none, and the node
+    # is bounded by its slots alone) and this master's slice of it under ``epoch`` (Grant.token_share;
+    # None: no token limit here, as from an agent of an earlier release).
+    kv_tokens: int | None = None
+    token_share: int | None = None
+    # What this master lets itself charge of ``token_share``, from the engine's own word (DESIGN §13:
+    # the reports close the loop where the charges were too small): 1.0, lowered when the engine
+    # retracts or preempts, raised back while it does not (``TokenFeedback``).
+    token_scale: float = 1.0
     connected: bool = False
     stream: int = 0  # token of the stream that owns this entry
     load: EngineLoad = field(default_factory=EngineLoad)
@@ -105,6 +114,16 @@ class Node:
             return self.share
         return min(self.share, 1) if state == "half_open" else 0
 
+    @property
+    def effective_token_share(self) -> int | None:
+        """The KV tokens this master may charge on the node now: None without a pool (slots alone
+        bound it), 0 whenever ``effective_share`` is 0."""
+        if self.token_share is None:
+            return None
+        if not self.effective_share:
+            return 0
+        return int(self.token_share * self.token_scale)
+
     def as_json(self) -> dict[str, object]:
         return {
             "node_id": self.node_id,
@@ -113,6 +132,11 @@ class Node:
             "running_max_req_size": self.running_max_req_size,
             "share": self.share,
             "effective_share": self.effective_share,
+            "kv_tokens": self.kv_tokens,
+            "capacity_unit": "slots" if self.kv_tokens is None else "slots+tokens",
+            "token_share": self.token_share,
+            "effective_token_share": self.effective_token_share,
+            "token_scale": round(self.token_scale, 3),
             "epoch": self.epoch,
             "connected": self.connected,
             "legacy": self.legacy,
@@ -157,6 +181,24 @@ def split_changes(changes: ShareChanges) -> tuple[dict[str, int], dict[str, int]
     return {n: share for n, (share, _) in changes.items()}, {n: full for n, (_, full) in changes.items()}
 
 
+# The engine's word on the masters' token charges (DESIGN §13). A retraction or preemption means the
+# engine ran out of KV under what the masters charged it (a charge too small: text prompts estimated
+# from their length, answers longer than expected): charge less of the share there at once, then
+# creep back while the engine stays quiet. Multiplicative decrease, additive increase, floored, so a
+# one-off does not halve a node for long.
+TOKEN_SCALE_DOWN = 0.85
+TOKEN_SCALE_UP = 0.02
+TOKEN_SCALE_MIN = 0.5
+
+
+def token_feedback(scale: float, before: int | None, now: int) -> float:
+    """The next token scale of a node whose engine's cumulative retraction count went from ``before``
+    (None: first report) to ``now``. A count that went down is a restarted engine: no news."""
+    if before is not None and now > before:
+        return max(TOKEN_SCALE_MIN, scale * TOKEN_SCALE_DOWN)
+    return min(1.0, scale + TOKEN_SCALE_UP)
+
+
 def kept_slots(active: int, granted: int, mark: int | None) -> int:
     """An Ack's kept_slots as masters of the previous release counted it (the protocol model's
     earlier-release masters; this release counts exactly: ``AdmissionCore.kept_since``): of the
@@ -173,6 +215,7 @@ class NodeRegistry:
         self,
         *,
         max_node_capacity: int = 4096,
+        max_kv_tokens: int = 1 << 40,
         max_nodes: int = 10_000,
         max_start_args: int = 64,
         max_start_arg_bytes: int = 1024,
@@ -181,6 +224,7 @@ class NodeRegistry:
         """``defer(fn)``: run ``fn`` soon (e.g. ``loop.call_soon``); share listeners are then told
         once per batch of changes instead of once per message. None: at once (tests, pure use)."""
         self.max_node_capacity = max_node_capacity
+        self.max_kv_tokens = max_kv_tokens
         self.max_nodes = max_nodes
         self.max_start_args = max_start_args
         self.max_start_arg_bytes = max_start_arg_bytes
@@ -189,6 +233,8 @@ class NodeRegistry:
         self._listeners: list[SharesListener] = []
         self._left_listeners: list[LeftListener] = []
         self._decode_shares: dict[str, int] = {}
+        # Effective token shares of the decode nodes in _decode_shares that have a pool.
+        self._decode_tokens: dict[str, int] = {}
         self._change_listeners: list[ShareChangesListener] = []
         self._changes: dict[str, tuple[int, int]] = {}
         self.stale_total = 0
@@ -251,7 +297,9 @@ class NodeRegistry:
                 left(node_id, was)
         share = node.effective_share if node is not None and role == DECODE else 0
         old = self._decode_shares.get(node_id, 0)
-        if share == old:
+        tokens = node.effective_token_share if node is not None and share else None
+        old_tokens = self._decode_tokens.get(node_id)
+        if share == old and tokens == old_tokens:
             # Epoch-only or load-only changes never disturb admission. (A node's capacity changes only
             # with a new Register, after its old stream dropped the share to 0: a change already.)
             return
@@ -259,6 +307,10 @@ class NodeRegistry:
             self._decode_shares[node_id] = share
         else:
             del self._decode_shares[node_id]
+        if tokens is None:
+            self._decode_tokens.pop(node_id, None)
+        else:
+            self._decode_tokens[node_id] = tokens
         self._capacity += share - old
         full = node.running_max_req_size if share and node is not None else 0
         self._changes[node_id] = (share, full)
@@ -300,7 +352,11 @@ class NodeRegistry:
         grant: tuple[int, int] | None = None,
         engine_down: bool = False,
         engine_reason: str = "",
+        kv_tokens: int | None = None,
+        token_share: int | None = None,
     ) -> tuple[Node, int]:
+        """``kv_tokens``: the engine's KV pool (None or 0: none published, slots alone);
+        ``token_share``: the grant's share of it (None: no token limit)."""
         """Admit a new stream's Register; returns the node and the stream token."""
         if not node_id or len(node_id) > 253:
             raise ProtocolError("INVALID_ARGUMENT", "Register.node_id must be 1-253 characters")
@@ -339,6 +395,11 @@ class NodeRegistry:
                 f"node {node_id}: Register.agent_version longer than {MAX_AGENT_VERSION_CHARS} characters",
             )
         self._check_start_args(node_id, start_args or {})
+        if kv_tokens is not None and not 0 <= kv_tokens <= self.max_kv_tokens:
+            raise ProtocolError(
+                "OUT_OF_RANGE",
+                f"node {node_id}: Register.kv_tokens {kv_tokens} outside 0..{self.max_kv_tokens}",
+            )
         bootstrap_port = _bootstrap_port(node_id, (start_args or {}).get("bootstrap_port"))
         old = self.nodes.get(node_id)
         if old is not None and old.connected:
@@ -363,17 +424,23 @@ class NodeRegistry:
             engine_down=engine_down,
             engine_reason=engine_reason[:MAX_REASON_CHARS],
             breaker_state=self._breaker_states.get(node_id, "closed"),
+            kv_tokens=kv_tokens or None,
         )
+        if old is not None and old.kv_tokens == node.kv_tokens:
+            node.token_scale = old.token_scale  # about the engine, not the stream
         if grant is None:
             node.legacy = True
             node.share = running_max_req_size
+            node.token_share = node.kv_tokens  # as its slots: the whole node
         else:
             share, epoch = grant
-            self._check_share(node, share)
+            self._check_share(node, share, token_share)
             node.share, node.epoch = share, epoch
+            node.token_share = token_share if node.kv_tokens is not None else None
             # A reconnect must not move the epoch backwards: keep what we held if it was higher.
             if old is not None and old.epoch > epoch:
                 node.share, node.epoch = 0, old.epoch
+                node.token_share = 0 if node.token_share is not None else None
                 node.stale_reports = old.stale_reports + 1
                 self.stale_total += 1
         if old is not None:
@@ -400,32 +467,57 @@ class NodeRegistry:
                     f"value longer than {limit} bytes (--max-start-arg-bytes)",
                 )
 
-    def _check_share(self, node: Node, share: int) -> None:
+    def _check_share(self, node: Node, share: int, token_share: int | None = None) -> None:
         if share < 0 or share > node.running_max_req_size:
             raise ProtocolError(
                 "INVALID_ARGUMENT",
                 f"node {node.node_id}: grant share {share} outside 0..{node.running_max_req_size}",
             )
+        if token_share is not None and node.kv_tokens is not None and not 0 <= token_share <= node.kv_tokens:
+            raise ProtocolError(
+                "INVALID_ARGUMENT",
+                f"node {node.node_id}: grant token_share {token_share} outside 0..{node.kv_tokens}",
+            )
 
-    def apply_grant(self, node_id: str, stream: int, share: int, epoch: int) -> GrantResult:
+    def apply_grant(
+        self, node_id: str, stream: int, share: int, epoch: int, token_share: int | None = None
+    ) -> GrantResult:
+        """``token_share``: the grant's slice of the node's KV pool (None: no token limit; ignored on a
+        node that registered no pool)."""
         node = self._owned(node_id, stream)
-        self._check_share(node, share)
+        self._check_share(node, share, token_share)
+        if node.kv_tokens is None:
+            token_share = None
         if epoch < node.epoch:
             node.stale_reports += 1
             self.stale_total += 1
             return GrantResult.STALE
         if epoch == node.epoch:
-            if share != node.share:
+            if share != node.share or (not node.legacy and token_share != node.token_share):
                 raise ProtocolError(
                     "FAILED_PRECONDITION",
-                    f"node {node_id}: epoch {epoch} already granted share {node.share}, now {share}",
+                    f"node {node_id}: epoch {epoch} already granted share {node.share} "
+                    f"(tokens {node.token_share}), now {share} (tokens {token_share})",
                 )
             return GrantResult.UNCHANGED
         if node.legacy:
             node.legacy = False
-        node.share, node.epoch = share, epoch
+        node.share, node.epoch, node.token_share = share, epoch, token_share
         self._publish(node_id)
         return GrantResult.APPLIED
+
+    def set_token_scale(self, node_id: str, scale: float) -> bool:
+        """Charge at most ``scale`` (0 < scale <= 1) of the node's token share (the engine's feedback,
+        ``TokenFeedback``); True when the effective token share changed."""
+        node = self.nodes.get(node_id)
+        if node is None or node.token_scale == scale:
+            return False
+        before = node.effective_token_share
+        node.token_scale = scale
+        if node.effective_token_share == before:
+            return False
+        self._publish(node_id)
+        return True
 
     def report_load(self, node_id: str, stream: int, load: EngineLoad) -> None:
         node = self._owned(node_id, stream)
@@ -433,7 +525,10 @@ class NodeRegistry:
             raise ProtocolError(
                 "INVALID_ARGUMENT", f"node {node_id}: Report.load.kv_usage must be a finite number >= 0"
             )
-        node.load = load
+        before, node.load = node.load, load
+        if node.token_share is not None and load.retractions is not None:
+            scale = token_feedback(node.token_scale, before.retractions, load.retractions)
+            self.set_token_scale(node_id, scale)
 
     def report_engine(self, node_id: str, stream: int, down: bool, reason: str = "") -> bool:
         """The agent's liveness verdict on its engine; True when it flipped (capacity then changes)."""
@@ -528,6 +623,20 @@ class NodeRegistry:
             cached = sorted(self._live_by_role[role].values(), key=lambda n: n.node_id)
             self._live_sorted[role] = cached
         return cached
+
+    def token_changes(self, changes: ShareChanges) -> tuple[dict[str, int], dict[str, int]]:
+        """The token side of ``changes`` as the ``token_shares`` and ``token_full`` maps
+        ``AdmissionCore.update_shares`` takes: every changed node that has a pool, with this master's
+        effective token share there and the pool. A changed node without one is in neither map, which
+        the core reads as "no token limit there"."""
+        shares: dict[str, int] = {}
+        full: dict[str, int] = {}
+        for n in changes:
+            tokens = self._decode_tokens.get(n)
+            node = self.nodes.get(n)
+            if tokens is not None and node is not None and node.kv_tokens is not None:
+                shares[n], full[n] = tokens, node.kv_tokens
+        return shares, full
 
     def decode_shares(self) -> dict[str, tuple[int, int]]:
         """Every decode share held now, as ``ShareChanges``: node -> (share, running_max_req_size)."""
