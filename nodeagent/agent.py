@@ -22,7 +22,14 @@ import grpc.aio
 from aiohttp import web
 
 from nodeagent.handover import END_SEEN_S, START_SEEN_S
-from nodeagent.probe import EngineHealth, LoadProbe, check_health
+from nodeagent.probe import (
+    EngineHealth,
+    EngineSample,
+    EngineUnreachable,
+    LoadProbe,
+    check_health,
+    discover_engine,
+)
 from nodeagent.reachability import GONE_PROBES_S, host_port, refuses_connections
 from nodeagent.slicing import BRACKET_ACK_WAIT_S, SharePolicy, Slicer
 from pdcoord import __version__
@@ -111,6 +118,11 @@ class AgentConfig:
     role: str
     endpoint: str
     running_max_req_size: int
+    # The engine's KV pool in tokens (--kv-tokens, or what the engine said at start); None: not known.
+    kv_tokens: int | None = None
+    # Ask the engine for its pool while it is not known, and follow it when the engine's metrics show
+    # another one (a restart with other settings). False: --kv-tokens was given and wins.
+    discover_kv_tokens: bool = True
     start_args: dict[str, str] = field(default_factory=dict)
     # Heartbeat: a report when nothing changed. A grant change is reported at once, a load change
     # within load_report_interval, the engine's liveness verdict at once when it flips (an engine
@@ -179,6 +191,7 @@ class MasterLink:
     report_seq: int = -1
     answered_seq: int = -1  # the seq the last Ack echoed
     stream_id: int = 0  # Register.stream_id of the current (or last) stream
+    registered_kv: int | None = None  # Register.kv_tokens of the current stream (None: absent)
     acked_at: float = 0.0  # when the last Ack came in
     gone_check: asyncio.Task[None] | None = None  # tries the address after the stream broke
 
@@ -206,7 +219,13 @@ class NodeAgent:
         self.incarnation = time.time_ns()
         self._last_stream_id = 0
         self._entries: dict[str, MasterEntry] = {}  # what the masters' keys say, as last read
-        self.load = EngineLoad()
+        self.load: EngineLoad = EngineLoad()
+        # The KV pool in tokens, where it came from ("flag", "engine"; "" while not known), and
+        # whether the engine answered that it publishes none (then capacity is slots only).
+        self.kv_tokens = cfg.kv_tokens if cfg.kv_tokens else None
+        self.kv_source = ("engine" if cfg.discover_kv_tokens else "flag") if self.kv_tokens else ""
+        self._pool_absent = False
+        self._value_stale = False  # the node's key says something outdated (its pool)
         self.engine = EngineHealth(cfg.health_failures, cfg.health_successes)
         self.seq = 0
         self._kick = asyncio.Event()
@@ -232,6 +251,7 @@ class NodeAgent:
                 "role": self.cfg.role,
                 "endpoint": self.cfg.endpoint,
                 "running_max_req_size": self.slicer.capacity,
+                "kv_tokens": self.kv_tokens,  # null: the engine publishes no pool, capacity is slots only
                 "agent_version": __version__,
                 "last_epoch": self.slicer.epoch,
             }
@@ -258,7 +278,7 @@ class NodeAgent:
         while True:
             epoch, now = self.slicer.epoch, time.monotonic()
             key_due = epoch > self._persisted_epoch
-            value_due = self.registration is not None and epoch > value_epoch
+            value_due = self.registration is not None and (epoch > value_epoch or self._value_stale)
             if not key_due and not value_due:
                 await self._persist_wake.wait()
                 self._persist_wake.clear()
@@ -281,6 +301,7 @@ class NodeAgent:
                     await self.etcd.put(self.keys.epoch(self.cfg.node_id), str(epoch))
                     self._persisted_epoch = epoch
                 if self.registration is not None and value_due and now >= value_at + NODE_VALUE_MIN_GAP_S:
+                    self._value_stale = False
                     await self.registration.update(self._node_value())
                     value_epoch, value_at = epoch, now
                 outage.recovered()
@@ -427,6 +448,8 @@ class NodeAgent:
             engine_reason=self.engine.reason,
             stream_id=stream_id,
         )
+        if self.kv_tokens:
+            reg.kv_tokens = self.kv_tokens
         grant = self._grant(mid)
         if grant is not None:
             reg.grant.CopyFrom(grant)
@@ -474,6 +497,7 @@ class NodeAgent:
                 link.sent_epoch = self.slicer.epoch
                 link.sent_share = self.slicer.share_for(link.master_id)
                 link.stream_id = self._next_stream_id()
+                link.registered_kv = self.kv_tokens
                 self.slicer.stream_opening(link.master_id, link.stream_id)
                 await call.write(self._register_msg(link.master_id, link.stream_id))
                 first = await call.read()
@@ -500,6 +524,9 @@ class NodeAgent:
                     if reader in done:
                         reader.result()
                         raise ConnectionError("master closed the stream")
+                    if link.registered_kv != self.kv_tokens:
+                        # Only a Register says the pool: a new stream tells the master the new one.
+                        raise ConnectionError("the engine's KV pool changed: registering again")
                     # Coalesce: during a handover every Ack may move a grant and ask for another
                     # report; stay well below the master's per-stream report limit.
                     gap = last_sent + MIN_REPORT_GAP_S - time.monotonic()
@@ -644,6 +671,10 @@ class NodeAgent:
                     await self._acked.wait()
 
     # -- control loop -------------------------------------------------------------------------
+    @property
+    def _pool_wanted(self) -> bool:
+        return self.kv_tokens is None and self.cfg.discover_kv_tokens
+
     def _changed(self) -> None:
         """The shares changed: report at once and persist the epoch.
 
@@ -771,6 +802,8 @@ class NodeAgent:
             sample = await probe.sample()
             changed = (sample.running, sample.waiting) != (self.load.running, self.load.waiting)
             self.load = sample
+            if isinstance(sample, EngineSample) and sample.kv_tokens and self.cfg.discover_kv_tokens:
+                self.set_kv_tokens(sample.kv_tokens, "engine")
             # The engine's own count is what tells the handover that a departed master's leases ended:
             # every request it holds, those still waiting for their KV included (the masters count a
             # lease from the moment its decode request went out).
@@ -827,6 +860,11 @@ class NodeAgent:
             "endpoint": self.cfg.endpoint,
             "registered": self.registered,  # false while etcd has not answered yet (it keeps retrying)
             "running_max_req_size": self.slicer.capacity,
+            # the node's KV pool in tokens (null: not known, or the engine publishes none) and so
+            # whether masters place on slots and tokens here or on slots alone
+            "kv_tokens": self.kv_tokens,
+            "kv_tokens_source": self.kv_source or None,
+            "capacity_unit": self.capacity_unit,
             "epoch": self.slicer.epoch,
             "shares": dict(self.slicer.shares),
             "handover": self.slicer.snapshot(),
@@ -853,6 +891,64 @@ class NodeAgent:
                 "signal": self.probe.as_json() if self.probe is not None else {"signal": "off"},
             },
         }
+
+    @property
+    def capacity_unit(self) -> str:
+        if self.kv_tokens:
+            return "slots and kv tokens"
+        if self._pool_absent or not self.cfg.discover_kv_tokens:
+            return "slots only"
+        return "slots (kv pool not known yet)"
+
+    def set_kv_tokens(self, pool: int | None, source: str) -> bool:
+        """The node's KV pool changed (found, or the engine now says another): token shares follow
+        and every master hears the new pool in a new Register. True when it changed."""
+        pool = pool or None
+        if pool == self.kv_tokens:
+            return False
+        log.info(
+            "KV pool of engine %s: %s tokens (from the %s)%s",
+            self.cfg.endpoint,
+            pool,
+            "--kv-tokens flag" if source == "flag" else "engine",
+            f", was {self.kv_tokens}" if self.kv_tokens else "",
+        )
+        self.kv_tokens, self.kv_source = pool, source
+        self._value_stale = True
+        self._changed()
+        return True
+
+    def _pool_unpublished(self) -> None:
+        """The engine answered and publishes no KV pool: say so once."""
+        if self._pool_absent:
+            return
+        self._pool_absent = True
+        log.warning(
+            "engine %s publishes no KV pool (SGLang max_total_num_tokens, vLLM vllm:cache_config_info): "
+            "capacity is slots only on node %s; pass --kv-tokens to give its pool in tokens",
+            self.cfg.endpoint,
+            self.cfg.node_id,
+        )
+
+    async def _discover_pool(self, session: aiohttp.ClientSession, timeout: float) -> bool:
+        """Ask the engine for its pool once; True when it answered (with a pool or without)."""
+        try:
+            info = await discover_engine(self.cfg.endpoint, session, timeout=timeout)
+        except EngineUnreachable:
+            return False
+        if info.kv_tokens:
+            self.set_kv_tokens(info.kv_tokens, "engine")
+        else:
+            self._pool_unpublished()
+        return True
+
+    async def _pool_loop(self, session: aiohttp.ClientSession) -> None:
+        """Until the engine answers (it may still be loading its model): ask it for its KV pool."""
+        backoff = Backoff(0.5, 10.0)
+        while True:
+            if await self._discover_pool(session, 5.0):
+                return
+            await asyncio.sleep(backoff.next())
 
     async def _start_health(self) -> None:
         """Serve /health and /status from the start, before etcd answers: /status then says the agent
@@ -891,6 +987,13 @@ class NodeAgent:
         another live agent after ``register_wait``.
         """
         await self._start_health()
+        if self._pool_wanted:
+            self._http = aiohttp.ClientSession()
+            # Before registering and before the streams open, so that the node's key and the
+            # Registers carry the pool; an engine that is not up yet is asked again in the background
+            # (its pool then goes out in new streams).
+            if not await self._discover_pool(self._http, 2.0):
+                self._tasks.append(asyncio.create_task(self._pool_loop(self._http), name="kv-pool"))
         registration = Registration(
             self.etcd, self.keys.node(self.cfg.node_id), self._node_value, ttl=self.cfg.etcd.lease_ttl
         )
@@ -899,9 +1002,7 @@ class NodeAgent:
         )
         self.registration = registration
         self._tasks.append(asyncio.create_task(self._persist_loop(), name="persist"))
-        self._tasks.append(asyncio.create_task(self._watch_masters(), name="watch-masters"))
-        self._tasks.append(asyncio.create_task(self._control_loop(), name="control"))
-        if self.cfg.load_urls or self.cfg.health_check:
+        if (self.cfg.load_urls or self.cfg.health_check) and self._http is None:
             self._http = aiohttp.ClientSession()
         if self.cfg.load_urls:
             assert self._http is not None
@@ -910,6 +1011,8 @@ class NodeAgent:
         if self.cfg.health_check:
             assert self._http is not None
             self._tasks.append(asyncio.create_task(self._health_loop(self._http), name="engine-health"))
+        self._tasks.append(asyncio.create_task(self._watch_masters(), name="watch-masters"))
+        self._tasks.append(asyncio.create_task(self._control_loop(), name="control"))
         self.ready.set()
         log.info(
             "agent %s (%s, capacity %d, %s) registered in cluster %s",

@@ -65,6 +65,15 @@ def build_parser() -> EnvArgumentParser:
         default=None,
         help="engine concurrent request limit (default: max_running_requests from GET /get_server_info)",
     )
+    g.add_argument(
+        "--kv-tokens",
+        type=non_negative_int,
+        default=0,
+        help="the decode engine's KV pool in tokens, the node's second capacity next to its slots "
+        "(default 0: read it from the engine: SGLang's max_total_num_tokens, vLLM's num_gpu_blocks x "
+        "block_size; an engine that publishes none runs on slots alone); set below what runs, the "
+        "masters' token shares shrink at once and grow back only as their leases end",
+    )
     g.add_argument("--bootstrap-port", type=port, default=None, help="SGLang disaggregation bootstrap port")
     g.add_argument("--model", default=None, help="model name the engine serves")
     g.add_argument(
@@ -248,6 +257,7 @@ async def _run(args: argparse.Namespace) -> int:
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         return 2
     capacity, bootstrap_port, model = args.running_max_req_size, args.bootstrap_port, args.model
+    kv_tokens: int | None = args.kv_tokens or None
     # The model is only informative: the engine is asked for it when it is asked anyway.
     if capacity is None or (args.role == "prefill" and bootstrap_port is None):
         try:
@@ -275,6 +285,7 @@ async def _run(args: argparse.Namespace) -> int:
                 )
                 return 2
         model = model or info.model
+        kv_tokens = kv_tokens or info.kv_tokens
     start_args = dict(args.start_arg)
     if bootstrap_port is not None:
         start_args["bootstrap_port"] = str(bootstrap_port)
@@ -286,6 +297,10 @@ async def _run(args: argparse.Namespace) -> int:
         role=args.role,
         endpoint=args.endpoint.rstrip("/"),
         running_max_req_size=capacity,
+        kv_tokens=kv_tokens,
+        # --kv-tokens wins over what the engine says; without it the engine is asked (again, if it
+        # published none at start) and a pool it publishes later or changes is followed
+        discover_kv_tokens=not args.kv_tokens,
         start_args=start_args,
         report_interval=args.report_interval,
         load_report_interval=args.load_report_interval,

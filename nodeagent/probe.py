@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import aiohttp
 
 from pdcoord.load import EngineLoad
+from pdcoord.v1 import coordination_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,69 @@ _NAMES = {
 }
 
 
-def parse_metrics(text: str) -> EngineLoad:
+# Cumulative counts of requests the engine put back to wait because its KV pool ran out: SGLang's
+# retractions (the counter ``sglang:num_retracted_requests_total``, python/sglang/srt/metrics/collector.py;
+# its gauge ``sglang:num_retracted_reqs`` is the last interval's count, not a total, and is not read) and
+# vLLM's preemptions (the counter ``vllm:num_preemptions``, exposed with prometheus_client's ``_total``
+# suffix, vllm/v1/metrics/loggers.py). The names without the suffix are what an exposition of another
+# client library may show.
+_RETRACTIONS = (
+    "sglang:num_retracted_requests_total",
+    "sglang:num_retracted_requests",
+    "vllm:num_preemptions_total",
+    "vllm:num_preemptions",
+)
+# The KV pool in tokens: SGLang's gauge ``sglang:max_total_num_tokens``; vLLM's info gauge
+# ``vllm:cache_config_info``, whose labels are its CacheConfig (``num_gpu_blocks`` and ``block_size``).
+_POOL_SGLANG = "sglang:max_total_num_tokens"
+_POOL_VLLM = "vllm:cache_config_info"
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(slots=True)
+class EngineSample(EngineLoad):
+    """A load sample and what else the engine's metrics told: its cumulative retractions (SGLang) or
+    preemptions (vLLM), the prompt tokens queued for prefill, and its KV pool in tokens (None: the
+    engine does not say). No engine publishes its queued prefill tokens as a metric today (neither
+    SGLang's scheduler metrics nor vLLM's), so that one stays None unless a future name is added."""
+
+    retractions: int | None = None
+    prefill_backlog_tokens: int | None = None
+    kv_tokens: int | None = None
+
+    def to_pb(self) -> pb.Load:
+        msg = EngineLoad.to_pb(self)
+        if self.retractions is not None:
+            msg.retractions = self.retractions
+        if self.prefill_backlog_tokens is not None:
+            msg.prefill_backlog_tokens = self.prefill_backlog_tokens
+        return msg
+
+    def as_json(self) -> dict[str, object]:
+        out = EngineLoad.as_json(self)
+        out["retractions"] = self.retractions
+        out["prefill_backlog_tokens"] = self.prefill_backlog_tokens
+        return out
+
+
+def _labels(line: str) -> dict[str, str]:
+    start, end = line.find("{"), line.rfind("}")
+    if start < 0 or end < start:
+        return {}
+    return {k: v for k, v in _LABEL.findall(line[start + 1 : end])}
+
+
+def vllm_pool_tokens(labels: dict[str, str]) -> int | None:
+    """``num_gpu_blocks`` x ``block_size`` from the labels of vLLM's ``cache_config_info`` (None when
+    either is missing or not a positive number, as before the engine profiled its memory)."""
+    try:
+        blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
+    except (KeyError, ValueError):
+        return None
+    return blocks * size if blocks > 0 and size > 0 else None
+
+
+def parse_metrics(text: str) -> EngineSample:
     """Sum each known metric over its label sets (one engine may expose several series).
 
     An engine that exports both naming schemes (pdsim does, for either kind of peer router) would be
@@ -40,6 +104,8 @@ def parse_metrics(text: str) -> EngineLoad:
     holds, those waiting for their KV included) with the masters' leases.
     """
     per_metric: dict[str, float] = {}
+    retracted: dict[str, float] = {}
+    pools: dict[str, int] = {}
     seen = False
     for line in text.splitlines():
         if not line or line[0] == "#":
@@ -51,12 +117,22 @@ def parse_metrics(text: str) -> EngineLoad:
                 break
         name = line[:name_end]
         field = _NAMES.get(name)
-        if field is None:
+        if field is None and name not in _RETRACTIONS and name not in (_POOL_SGLANG, _POOL_VLLM):
             continue
         try:
             rest = line[line.rindex("}") + 1 :].split() if "}" in line else line.split()[1:]
             value = float(rest[0])
         except (ValueError, IndexError):
+            continue
+        if field is None:
+            if name in _RETRACTIONS:
+                retracted[name] = retracted.get(name, 0.0) + value  # one series per engine or rank
+            elif name == _POOL_SGLANG and value >= 1:
+                pools[name] = max(pools.get(name, 0), int(value))
+            elif name == _POOL_VLLM:
+                tokens = vllm_pool_tokens(_labels(line))
+                if tokens is not None:
+                    pools[name] = max(pools.get(name, 0), tokens)
             continue
         seen = True
         if field == "kv_usage":
@@ -71,11 +147,19 @@ def parse_metrics(text: str) -> EngineLoad:
             values = [v for n, v in per_metric.items() if n.startswith(scheme) and _NAMES[n] == field]
             if values and field not in sums:
                 sums[field] = max(values) if field == "kv_usage" else sum(values)
-    return EngineLoad(
+    # Retractions from the first name present (SGLang's before vLLM's, as above: an engine exporting
+    # both schemes counts its retractions once). The pool: of one engine (several series are data
+    # parallel engines, each with its own pool: the largest stands for the node, which under-counts a
+    # node serving several, never over-counts).
+    retractions = next((int(retracted[n]) for n in _RETRACTIONS if n in retracted), None)
+    pool = pools.get(_POOL_SGLANG) or pools.get(_POOL_VLLM)
+    return EngineSample(
         running=int(sums.get("running", 0)),
         waiting=int(sums.get("waiting", 0)),
         kv_usage=sums.get("kv_usage", 0.0),
         probe_ok=seen,
+        retractions=retractions,
+        kv_tokens=pool,
     )
 
 
@@ -208,27 +292,42 @@ class EngineInfo:
     max_running_requests: int | None = None
     bootstrap_port: int | None = None
     model: str | None = None
+    # The KV pool in tokens: SGLang's max_total_num_tokens, vLLM's num_gpu_blocks x block_size (from
+    # its /metrics: vllm:cache_config_info). None: the engine publishes none (capacity is slots only).
+    kv_tokens: int | None = None
 
 
 def _positive_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def _server_info_pool(info: dict[str, Any]) -> int | None:
+    """SGLang's pool: ``max_total_num_tokens`` at the top of /get_server_info, else that of its first
+    rank in ``internal_states`` that says (each data-parallel rank has its own: one stands for the
+    node, as in :func:`parse_metrics`)."""
+    pool = _positive_int(info.get("max_total_num_tokens"))
+    for rank in info.get("internal_states") or ():
+        if pool is None and isinstance(rank, dict):
+            pool = _positive_int(rank.get("max_total_num_tokens"))
+    return pool
+
+
 async def discover_engine(endpoint: str, session: aiohttp.ClientSession, timeout: float = 5.0) -> EngineInfo:
     """SGLang's ``GET /get_server_info`` (``max_running_requests``, at the top or per rank in
-    ``internal_states``; ``disaggregation_bootstrap_port``; ``served_model_name``), else the OpenAI
-    ``GET /v1/models`` (the model only: vLLM does not publish its ``max_num_seqs``).
+    ``internal_states``; ``disaggregation_bootstrap_port``; ``served_model_name``;
+    ``max_total_num_tokens``), else the OpenAI ``GET /v1/models`` (the model only: vLLM does not
+    publish its ``max_num_seqs``) and for the KV pool vLLM's ``GET /metrics``.
     EngineUnreachable when neither answers."""
     base = endpoint.rstrip("/")
     errors: list[str] = []
 
-    async def get(path: str) -> Any:
+    async def get(path: str, text: bool = False) -> Any:
         try:
             async with session.get(base + path, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 if resp.status != 200:
                     errors.append(f"{path}: HTTP {resp.status}")
                     return None
-                return await resp.json(content_type=None)
+                return await resp.text() if text else await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             errors.append(f"{path}: {exc or type(exc).__name__}")
             return None
@@ -245,12 +344,15 @@ async def discover_engine(endpoint: str, session: aiohttp.ClientSession, timeout
             max_running_requests=cap,
             bootstrap_port=_positive_int(info.get("disaggregation_bootstrap_port")),
             model=model if isinstance(model, str) else None,
+            kv_tokens=_server_info_pool(info),
         )
     models = await get("/v1/models")
     if isinstance(models, dict) and isinstance(models.get("data"), list):
         first = models["data"][0] if models["data"] else {}
         model = first.get("id") if isinstance(first, dict) else None
-        return EngineInfo("openai", model=model if isinstance(model, str) else None)
+        metrics = await get("/metrics", text=True)
+        pool = parse_metrics(metrics).kv_tokens if isinstance(metrics, str) else None
+        return EngineInfo("openai", model=model if isinstance(model, str) else None, kv_tokens=pool)
     raise EngineUnreachable(f"engine {base} did not answer ({'; '.join(errors)})")
 
 

@@ -362,6 +362,9 @@ def _node_row(fleet: Fleet, n: str) -> dict[str, Any]:
         "role": role,
         "endpoint": doc.get("endpoint"),
         "capacity": doc.get("running_max_req_size"),
+        # the KV pool in tokens; None: the engine publishes none (slots only) or the agent is older
+        "kv_tokens": doc.get("kv_tokens"),
+        "capacity_unit": _capacity_unit(doc),
         "agent_version": doc.get("agent_version"),
         "in_etcd": n in fleet.nodes,
         "held": sum(held.values()),
@@ -370,6 +373,14 @@ def _node_row(fleet: Fleet, n: str) -> dict[str, Any]:
         "load": load,
         "shares": shares,
     }
+
+
+def _capacity_unit(doc: dict[str, Any]) -> str | None:
+    """What the node's capacity is counted in, by its key: an agent of this release writes
+    ``kv_tokens`` (null when its engine publishes no pool); an older agent's key has no such field."""
+    if "kv_tokens" not in doc:
+        return None
+    return "slots and kv tokens" if doc.get("kv_tokens") else "slots only"
 
 
 def report(fleet: Fleet, problems: list[Problem], settling: list[Problem] | None = None) -> dict[str, Any]:
@@ -434,6 +445,13 @@ def _engine_cell(engine: dict[str, Any]) -> str:
     return cell
 
 
+def _kv_cell(row: dict[str, Any]) -> str:
+    """The node's KV pool, or "slots only" when its engine publishes none ("-": an older agent)."""
+    if row.get("kv_tokens"):
+        return str(row["kv_tokens"])
+    return "slots only" if row.get("capacity_unit") == "slots only" else "-"
+
+
 def _load_cell(load: dict[str, Any] | None) -> str:
     if not load:
         return "-"
@@ -484,15 +502,15 @@ def render(doc: dict[str, Any], etcd: str = "") -> str:
     ids = [m["master_id"] for m in masters]
     nrows = []
     for n in nodes:
-        nrows.append([n["node_id"], _dash(n["role"]), _dash(n["capacity"]), str(n["held"]),
-                      _engine_cell(n["engine"]), _load_cell(n["load"]), str(n["epoch"] or "-"),
-                      *(_share_cell(n["shares"].get(m)) for m in ids)])  # fmt: skip
-    nhead = ["node", "role", "capacity", "held", "engine", "load r/w/kv", "epoch", *ids]
+        nrows.append([n["node_id"], _dash(n["role"]), _dash(n["capacity"]), _kv_cell(n),
+                      str(n["held"]), _engine_cell(n["engine"]), _load_cell(n["load"]),
+                      str(n["epoch"] or "-"), *(_share_cell(n["shares"].get(m)) for m in ids)])  # fmt: skip
+    nhead = ["node", "role", "capacity", "kv tokens", "held", "engine", "load r/w/kv", "epoch", *ids]
     parts = [head, "", "masters", _table(mhead, mrows, {4, 5, 6, 7}) if mrows else "  (none registered)"]
     parts += [
         "",
         "nodes (one column per master: its share)",
-        _table(nhead, nrows, {2, 3, 6, *range(7, 7 + len(ids))}) if nrows else "  (none)",
+        _table(nhead, nrows, {2, 3, 4, 7, *range(8, 8 + len(ids))}) if nrows else "  (none)",
     ]
     for title, items in (
         ("problems", doc["problems"]),

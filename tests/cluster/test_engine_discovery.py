@@ -6,6 +6,7 @@ serves it only with ``--enable-metrics``), real agents and masters on loopback.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -77,3 +78,39 @@ def test_a_crashed_master_is_failed_over_without_engine_metrics(cluster: LocalCl
     c.masters["m1"].proc.kill()
     # Within 60 s, half of --orphan-timeout: the engine's load sample freed the slots, not the timeout.
     c.wait_for(lambda: _node(c, "m2", "d1")["effective_share"] == 8, timeout=60)
+
+
+def test_the_kv_pool_comes_from_the_engine_from_the_flag_or_is_slots_only(cluster: LocalCluster) -> None:
+    """SGLang publishes max_total_num_tokens (/get_server_info, /metrics); --kv-tokens overrides it;
+    an engine that publishes none (pdsim in the vLLM flavour has no vllm:cache_config_info) runs on
+    slots alone, visibly in the agent's /status and in `pdcoord status`."""
+    c = cluster
+    c.start_master("m1")
+    d1 = c.start_engine("d1", "decode", 4, api="sglang", max_total_tokens=40000)
+    d2 = c.start_engine("d2", "decode", 4, api="sglang", max_total_tokens=40000)
+    d3 = c.start_engine("d3", "decode", 4, api="vllm")
+    c.start_agent("d1", "decode", endpoint=d1.url, capacity=4)
+    c.start_agent("d2", "decode", endpoint=d2.url, capacity=4, kv_tokens=10000)
+    c.start_agent("d3", "decode", endpoint=d3.url, capacity=4)
+    c.wait_for(lambda: c.full_capacity_held(["m1"], {"d1": 4, "d2": 4, "d3": 4}), timeout=30)
+    want = {
+        "d1": (40000, "engine", "slots and kv tokens"),
+        "d2": (10000, "flag", "slots and kv tokens"),
+        "d3": (None, None, "slots only"),
+    }
+
+    def pools() -> dict[str, tuple[Any, Any, Any]]:
+        out = {}
+        for n in want:
+            st = c.agents[n].status()
+            out[n] = (st["kv_tokens"], st["kv_tokens_source"], st["capacity_unit"])
+        return out
+
+    c.wait_for(lambda: pools() == want, timeout=30)
+    assert "publishes no KV pool" in c.agents["d3"].proc.tail(200)
+    argv = [sys.executable, "-c", "from pdcoord.dev.cli import main; main()", "status",
+            "--etcd", c.etcd, "--cluster", c.cluster, "--json"]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    nodes = {n["node_id"]: n for n in json.loads(out.stdout)["nodes"]}
+    assert nodes["d1"]["kv_tokens"] == 40000 and nodes["d2"]["kv_tokens"] == 10000
+    assert nodes["d3"]["capacity_unit"] == "slots only"

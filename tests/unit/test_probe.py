@@ -71,3 +71,52 @@ def test_a_decode_server_s_requests_waiting_for_their_kv_count_as_waiting() -> N
         "vllm:num_requests_running 2\nvllm:kv_cache_usage_perc 0.3\nvllm:gpu_cache_usage_perc 0.3\n"
     )
     assert (s.running, s.waiting, s.kv_usage) == (2, 0, 0.3)
+
+
+def test_retractions_and_the_kv_pool_from_either_engine() -> None:
+    """SGLang: the counter sglang:num_retracted_requests (exposed with _total) and the gauge
+    sglang:max_total_num_tokens; vLLM: the counter vllm:num_preemptions (_total) and the info gauge
+    vllm:cache_config_info, whose labels give num_gpu_blocks x block_size. SGLang's gauge
+    num_retracted_reqs is the last interval's count, not a total: not read."""
+    from nodeagent.probe import parse_metrics
+
+    sglang = "\n".join(
+        [
+            'sglang:num_running_reqs{tp_rank="0"} 4',
+            'sglang:num_retracted_reqs{tp_rank="0"} 9',
+            'sglang:num_retracted_requests_total{tp_rank="0"} 3',
+            'sglang:num_retracted_requests_created{tp_rank="0"} 1.7e9',
+            'sglang:max_total_num_tokens{tp_rank="0"} 500000',
+        ]
+    )
+    s = parse_metrics(sglang)
+    assert (s.running, s.retractions, s.kv_tokens, s.prefill_backlog_tokens) == (4, 3, 500000, None)
+    vllm = "\n".join(
+        [
+            'vllm:num_requests_running{engine="0",model_name="m"} 2',
+            'vllm:num_preemptions_total{engine="0",model_name="m"} 5',
+            'vllm:num_preemptions_total{engine="1",model_name="m"} 2',
+            'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",'
+            'gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="2048",'
+            'prefix_caching_hash_algo="sha256"} 1.0',
+        ]
+    )
+    s = parse_metrics(vllm)
+    assert (s.running, s.retractions, s.kv_tokens) == (2, 7, 2048 * 16)
+    # before profiling (num_gpu_blocks None) there is no pool; an engine saying nothing has none
+    s = parse_metrics('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1\n')
+    assert s.kv_tokens is None and s.retractions is None
+    # the wire: set only what is known
+    msg = parse_metrics(vllm).to_pb()
+    assert msg.HasField("retractions") and msg.retractions == 7
+    assert not msg.HasField("prefill_backlog_tokens")
+    assert not parse_metrics("vllm:num_requests_running 1\n").to_pb().HasField("retractions")
+
+
+def test_vllm_pool_from_cache_config_labels() -> None:
+    from nodeagent.probe import vllm_pool_tokens
+
+    assert vllm_pool_tokens({"num_gpu_blocks": "100", "block_size": "32"}) == 3200
+    assert vllm_pool_tokens({"num_gpu_blocks": "None", "block_size": "32"}) is None
+    assert vllm_pool_tokens({"block_size": "32"}) is None
+    assert vllm_pool_tokens({"num_gpu_blocks": "0", "block_size": "32"}) is None

@@ -100,3 +100,18 @@ def test_confirm_keeps_only_what_two_looks_show() -> None:
     b2 = Problem("no_stream", "node d2 / master m1", "y, later")
     assert confirm(None, [a, b]) == ([a, b], [])
     assert confirm([b], [a, b2]) == ([b2], [a])
+
+
+def test_nodes_show_their_kv_pool_or_slots_only() -> None:
+    f = fleet(m1=admission(node("d1", 2, 7)), m2=admission(node("d1", 2, 7)))
+    f.nodes["d1"]["kv_tokens"] = 480000
+    f.nodes["d2"] = {"node_id": "d2", "role": "decode", "running_max_req_size": 4, "kv_tokens": None}
+    doc = report(f, [])
+    rows = {r["node_id"]: r for r in doc["nodes"]}
+    assert (rows["d1"]["kv_tokens"], rows["d1"]["capacity_unit"]) == (480000, "slots and kv tokens")
+    assert (rows["d2"]["kv_tokens"], rows["d2"]["capacity_unit"]) == (None, "slots only")
+    text = render(doc)
+    assert "kv tokens" in text and "480000" in text and "slots only" in text
+    # an older agent's key says nothing of a pool
+    del f.nodes["d1"]["kv_tokens"]
+    assert report(f, [])["nodes"][0]["capacity_unit"] is None
