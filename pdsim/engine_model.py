@@ -86,6 +86,9 @@ class ModelConfig:
     new_token_ratio_decay_steps: int = 600
     clip_max_new_tokens: int = 4096
     retract_decode_steps: int = 20
+    # SGLang PD decode: KV tokens its preallocation keeps free for each active request's decoding
+    # (SGLANG_NUM_RESERVED_DECODE_TOKENS, disaggregation/decode.py).
+    num_reserved_decode_tokens: int = 512
     priority_scheduling: bool = False  # serve waiting requests by ``ModelRequest.priority``, then arrival
     low_priority_first: bool = False  # with it: lower values first (vLLM; SGLang's flag of that name)
 
@@ -120,9 +123,12 @@ class ModelRequest:
     prompt_tokens: int  # input length (all prompts), what a recompute prefills again
     prompt_kv: int  # KV tokens the prompts hold: prompt tokens once per sample
     prefill_tokens: int  # tokens to compute before the first token (uncached; 0 once KV was transferred)
-    max_new_tokens: int  # per sequence
+    max_new_tokens: int  # per sequence: what the client asked for, all the engine knows of the answer
     pd: bool = False  # decode server: the KV comes from a prefill server
     priority: int = 0  # the request's ``priority`` field (used with ``priority_scheduling``)
+    # The answer the model would give (tokens per sequence): it ends there, as at an EOS, when shorter
+    # than ``max_new_tokens``. The engine does not know it: every reservation uses ``max_new_tokens``.
+    answer_tokens: int | None = None
     phase: Phase = field(default=Phase.NEW, init=False)
     generated: int = field(default=0, init=False)  # tokens per sequence so far
     computed: int = field(default=0, init=False)  # of prefill_tokens
@@ -142,6 +148,18 @@ class StepEvents:
 
     def __bool__(self) -> bool:
         return bool(self.tokens or self.finished or self.prefilled or self.allocated or self.retracted)
+
+
+@dataclass(slots=True)
+class _PreallocBudget:
+    reserved_per_seq: int
+    single: int  # the largest running request's room beyond the retractable tokens
+    retracted: int  # KV the retracted (waiting) requests need to come back, with their reserve
+    retractable: int  # KV the running requests hold (input + output)
+    active: int  # sequences charged the reserved decode tokens
+
+    def allocatable(self, free_kv: int) -> int:
+        return free_kv - max(self.reserved_per_seq * self.active, self.single) - self.retracted
 
 
 @dataclass(slots=True)
@@ -221,6 +239,21 @@ class EngineModel:
     def pending_seqs(self) -> int:
         """Every sequence inside the engine that is not running (waiting, prealloc, transfer)."""
         return self.waiting_seqs + self._seqs_in[Phase.PREALLOC] + self._seqs_in[Phase.TRANSFER]
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute (uncached, not yet prefilled) of the waiting and running
+        requests: the prefill work queued in this engine."""
+        return sum(
+            r.prefill_tokens - r.computed
+            for r in self._reqs.values()
+            if r.phase is Phase.WAITING or r.phase is Phase.RUNNING
+        )
+
+    @property
+    def pending_prealloc_tokens(self) -> int:
+        """Decode PD: prompt KV tokens of the requests waiting to preallocate."""
+        return sum(r.prompt_kv for r in self._reqs.values() if r.phase is Phase.PREALLOC)
 
     def get(self, rid: Hashable) -> ModelRequest | None:
         return self._reqs.get(rid)
@@ -394,7 +427,8 @@ class EngineModel:
     def _emit(self, r: ModelRequest) -> None:
         r.generated += 1
         self._events.tokens[r.rid] = r.generated
-        if r.generated >= r.max_new_tokens:
+        end = r.max_new_tokens if r.answer_tokens is None else min(r.max_new_tokens, r.answer_tokens)
+        if r.generated >= end:
             self._finish(r)
 
     def _finish(self, r: ModelRequest) -> None:
@@ -418,32 +452,54 @@ class EngineModel:
             return
         cap = self.cfg.prealloc_seqs
         held = self.running_seqs + self._seqs_in[Phase.TRANSFER] + self._seqs_in[Phase.READY]
-        reserve = 0.0
-        if self._sglang:
-            reserve = self._reserve(
-                self._running.values(),
-                (r for r in self._ready if r.phase is Phase.READY),
-                self._transfer.values(),
-            )
+        budget = self._prealloc_budget() if self._sglang else None
         while q:
             r = q[0]
             if r.phase is not Phase.PREALLOC:
                 q.popleft()
                 continue
-            if self._sglang:
+            if budget is not None:
                 if held + r.seqs > cap:
                     break
-                if self.free_kv - reserve < r.prompt_kv + self._future(r):
+                # SGLang ``DecodePreallocQueue.pop_preallocated``: the prompt plus the reserved
+                # decode tokens must fit what is allocatable, and so must the prompt plus its own
+                # clipped max_new_tokens beyond what the running requests could give back.
+                required = r.prompt_kv + self.cfg.num_reserved_decode_tokens * r.seqs
+                own = r.prompt_kv + r.seqs * min(r.max_new_tokens, self.cfg.clip_max_new_tokens)
+                if max(required, own - budget.retractable) > budget.allocatable(self.free_kv):
                     break
-                reserve += self._future(r) * self.new_token_ratio
+                budget.active += r.seqs
             elif self.free_kv < r.prompt_kv:
                 break
             q.popleft()
             held += r.seqs
-            self._alloc(r, r.prompt_kv)
+            self._alloc(r, r.prompt_kv)  # the prompt's KV only: the answer's grows step by step
             self._set_phase(r, Phase.TRANSFER)
             self._transfer[r.rid] = r
             self._events.allocated.append(r.rid)
+
+    def _prealloc_budget(self) -> _PreallocBudget:
+        """SGLang ``DecodePreallocQueue._allocatable_tokens``: free KV less the larger of the reserved
+        decode tokens of every active request (running, in transfer, transferred and waiting) and
+        the room the largest running request may still need beyond what retracting every running
+        request frees; less what the retracted requests need to come back."""
+        clip = self.cfg.clip_max_new_tokens
+        running = list(self._running.values())
+        retractable = sum(r.prompt_kv + r.seqs * r.generated for r in running)
+        single = 0
+        if running:
+            single = max(r.prompt_kv // r.seqs + min(r.max_new_tokens, clip) for r in running) - retractable
+        reserved = self.cfg.num_reserved_decode_tokens
+        retracted = sum(
+            r.prompt_kv + r.seqs * (r.generated + reserved) for r in self._waiting if r.phase is Phase.WAITING
+        )
+        active = (
+            self.running_seqs
+            + self._seqs_in[Phase.TRANSFER]
+            + self._seqs_in[Phase.READY]
+            + self._seqs_in[Phase.WAITING]
+        )
+        return _PreallocBudget(reserved, single, retracted, retractable, active)
 
     def _admit(self) -> None:
         cap = self.cfg.max_running_seqs
@@ -464,9 +520,13 @@ class EngineModel:
                 break
             need = r.prompt_kv + r.seqs * r.generated  # a recompute rebuilds the generated tokens' KV too
             if reserve_on:
+                # SGLang ``PrefillAdder.add_one_req``: the input plus the clipped max_new_tokens must
+                # fit the free KV less the reserve; a request admitted in this pass is then charged
+                # its whole clipped max_new_tokens (``_update_prefill_budget``), a running one only
+                # x new_token_ratio.
                 if self.free_kv - reserve < need + self._future(r):
                     break
-                reserve += self._future(r) * self.new_token_ratio
+                reserve += self._future(r)
             elif self.free_kv < need:
                 break
             q.popleft()

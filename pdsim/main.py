@@ -8,6 +8,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -22,7 +23,7 @@ from pdcoord.config import (
     setup_logging,
 )
 from pdsim.faults import Faults
-from pdsim.profiles import PROFILES
+from pdsim.profiles import PROFILES, engine_default_max_running, vllm_pool_tokens
 from pdsim.server import Config, Engine, ModelMode, Timing, build_admin_app, build_app, build_bootstrap_app
 
 log = logging.getLogger("pdsim")
@@ -71,17 +72,27 @@ def build_parser() -> EnvArgumentParser:
     )
     p.add_argument("--advertise-host", default=None, help="host put into kv_transfer_params (default --host)")
     p.add_argument(
-        "--running-max-req-size", type=positive_int, required=True, help="decode batch size in slots"
+        "--running-max-req-size",
+        type=non_negative_int,
+        default=None,
+        help="decode batch size in slots (SGLang --max-running-requests, vLLM --max-num-seqs); with "
+        "--profile, 0 or absent = the engine's own default for the profile's pool",
     )
     p.add_argument("--model", default="pdsim-model", help="served model name")
-    p.add_argument("--context-length", type=positive_int, default=32768)
+    p.add_argument(
+        "--context-length",
+        type=positive_int,
+        default=None,
+        help="longest prompt + max tokens (default 32768; with --profile, the model's own)",
+    )
     p.add_argument("--max-n", type=positive_int, default=64, help="largest n accepted")
     p.add_argument("--default-max-tokens", type=non_negative_int, default=16)
     p.add_argument(
         "--max-total-tokens",
         type=positive_int,
         default=None,
-        help="KV pool size in tokens (default N*1024; with --profile, the profile's pool)",
+        help="KV pool size in tokens (default N*1024; with --profile, the profile's pool; "
+        "--api vllm rounds it down to whole blocks of 16)",
     )
     p.add_argument(
         "--cache-blocks", type=non_negative_int, default=8192, help="prefix cache capacity in blocks"
@@ -228,6 +239,34 @@ def model_mode_from_args(args: argparse.Namespace) -> ModelMode | None:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    running_max_req_size: int
+    max_total_tokens: int
+    context_length: int
+
+
+def sizes_from_args(args: argparse.Namespace, model_mode: ModelMode | None) -> Sizes:
+    """The batch cap, the KV pool and the context: as given, else as the engine sizes them (model
+    mode: the profile's pool, the engine's own max_running_requests; raises ValueError without a
+    profile and without a batch cap)."""
+    if model_mode is None:
+        if not args.running_max_req_size:
+            raise ValueError("--running-max-req-size is required (>= 1) without --profile")
+        cap = args.running_max_req_size
+        return Sizes(cap, args.max_total_tokens or cap * 1024, args.context_length or 32768)
+    profile = model_mode.profile
+    pool = args.max_total_tokens or profile.default_max_total_tokens
+    if args.api == "vllm":
+        pool = vllm_pool_tokens(pool)  # num_gpu_blocks x block_size
+    if pool <= 0:
+        raise ValueError("--max-total-tokens: the pool holds no whole block")
+    context = args.context_length or profile.context_length
+    policy = "vllm" if args.api == "vllm" else "sglang"
+    cap = args.running_max_req_size or engine_default_max_running(policy, profile, pool, context)
+    return Sizes(cap, pool, context)
+
+
 def timing_from_args(args: argparse.Namespace) -> Timing:
     values = {}
     for name, (default, fast) in TIMING_PRESETS.items():
@@ -239,22 +278,17 @@ def timing_from_args(args: argparse.Namespace) -> Timing:
 async def serve(args: argparse.Namespace) -> None:
     host = args.host
     model_mode = model_mode_from_args(args)
-    if args.max_total_tokens:
-        max_total_tokens = args.max_total_tokens
-    elif model_mode is not None:
-        max_total_tokens = model_mode.profile.default_max_total_tokens
-    else:
-        max_total_tokens = args.running_max_req_size * 1024
+    sizes = sizes_from_args(args, model_mode)
     cfg = Config(
         role=args.role,
         host=host,
         advertise_host=args.advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "", "::") else host),
         model=args.model,
-        running_max_req_size=args.running_max_req_size,
+        running_max_req_size=sizes.running_max_req_size,
         max_n=args.max_n,
-        context_length=args.context_length,
+        context_length=sizes.context_length,
         default_max_tokens=args.default_max_tokens,
-        max_total_tokens=max_total_tokens,
+        max_total_tokens=sizes.max_total_tokens,
         cache_blocks=args.cache_blocks,
         cache_block_tokens=args.cache_block_tokens,
         prefill_parallel=args.prefill_parallel,
@@ -410,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parse(parser, argv)
     try:
-        model_mode_from_args(args)
+        sizes_from_args(args, model_mode_from_args(args))
     except ValueError as exc:
         parser.error(str(exc))
     setup_logging(args.log_level, "pdsim")

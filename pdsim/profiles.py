@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 KIB = 1024
 GB = 10**9
+GIB = 1024**3
+# vLLM's default KV block size (tokens): its pool is num_gpu_blocks x block_size.
+VLLM_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,8 @@ class Profile:
     memory_fraction: float = 0.9
     kv_bandwidth_gbps: float = 25.0
     bootstrap_s: float = 0.001
+    gpus: int = 1
+    context_length: int = 131072  # the model's own (Llama 3.1 / 3.3: 128k)
 
     @property
     def default_max_total_tokens(self) -> int:
@@ -67,12 +72,35 @@ PROFILES: dict[str, Profile] = {
             kv_bytes_per_token=80 * 8 * 128 * 2 * 2,
             gpu_memory_bytes=4 * 80 * GB,
             weights_bytes=140 * GB,  # 70B parameters in bf16
+            gpus=4,
         ),
     )
 }
 
 assert PROFILES["llama3-8b-h100"].kv_bytes_per_token == 128 * KIB
 assert PROFILES["llama3-70b-h100-tp4"].kv_bytes_per_token == 320 * KIB
+
+
+def vllm_pool_tokens(tokens: int) -> int:
+    """A pool as vLLM has it: whole blocks of ``VLLM_BLOCK_SIZE`` tokens."""
+    return tokens // VLLM_BLOCK_SIZE * VLLM_BLOCK_SIZE
+
+
+def engine_default_max_running(policy: str, profile: Profile, pool_tokens: int, context_length: int) -> int:
+    """``max_running_requests`` as the engine computes it when the operator does not set it.
+
+    * SGLang: ``min(max_total_num_tokens // 2, req_to_token_pool size)``, the request pool holding
+      ``clamp(int(max_total_num_tokens / context_len * 512), 2048, 4096)`` requests
+      (python/sglang/srt/model_executor/model_runner.py ``init_memory_pool`` and the scheduler's
+      ``max_running_requests``).
+    * vLLM: ``max_num_seqs`` = 1024 on GPUs of at least 70 GiB other than A100 (H100, H200, MI300x),
+      256 otherwise (vllm/engine/arg_utils.py ``get_batch_defaults``).
+    """
+    if policy == "vllm":
+        per_gpu = profile.gpu_memory_bytes / profile.gpus
+        return 1024 if per_gpu >= 70 * GIB else 256
+    req_pool = min(max(int(pool_tokens / context_length * 512), 2048), 4096)
+    return max(1, min(pool_tokens // 2, req_pool))
 
 
 def transfer_time_s(tokens: int, kv_bytes_per_token: int, bandwidth_gbps: float, bootstrap_s: float) -> float:

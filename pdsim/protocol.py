@@ -18,6 +18,13 @@ Api = Literal["generate", "completions", "chat"]
 Flavor = Literal["both", "sglang", "vllm"]
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
+# A top-level request field only pdsim reads: the answer's length (tokens per sequence) when the
+# model would stop before max_tokens. vLLM's OpenAI request models ignore unknown top-level fields
+# and log them (``OpenAIBaseModel``); SGLang's OpenAI request models are pydantic models, which
+# ignore them by default. Routers that append to the client's JSON text forward it.
+ANSWER_FIELD = "pdsim_answer_tokens"
+# What an answer that stops at its end "matched" in SGLang's meta_info (Llama 3's <|eot_id|>).
+EOS_TOKEN_ID = 128009
 
 
 class BadRequest(Exception):
@@ -62,6 +69,24 @@ class GenRequest:
     # The request's scheduling priority (SGLang's and vLLM's top-level ``priority``; 0 when absent):
     # orders the waiting queue of an engine that schedules by priority.
     priority: int = 0
+    # pdsim's own top-level ``pdsim_answer_tokens``: the length of the answer the model would give
+    # (per sequence). The answer ends there with finish_reason "stop", as at an EOS, when it is
+    # shorter than ``max_tokens``; the engine's reservations still see only ``max_tokens``.
+    answer_tokens: int | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        """Tokens each sequence generates: ``max_tokens``, or the answer when that ends first."""
+        if self.answer_tokens is None:
+            return self.max_tokens
+        return min(self.max_tokens, self.answer_tokens)
+
+    def finish_reason(self, total: int) -> str:
+        """OpenAI's finish_reason of an answer of ``total`` tokens: "stop" when it ended at its
+        own end (the answer) before ``max_tokens``, else "length"."""
+        if self.answer_tokens is not None and self.answer_tokens <= total < self.max_tokens:
+            return "stop"
+        return "length"
 
     @property
     def all_prompts(self) -> tuple[str | list[int], ...]:
@@ -399,6 +424,9 @@ def parse_request(
     )
     rooms = _check_rooms(flavor, room, room_list, n, len(prompts), sample_rooms)
     priority = _opt_int(body, "priority") or 0
+    answer = _opt_int(body, ANSWER_FIELD)
+    if answer is not None and answer < 1:
+        raise BadRequest(f"{ANSWER_FIELD} must be at least 1, got {answer}", param=ANSWER_FIELD)
     return GenRequest(
         api=api,
         prompt=prompts[0],
@@ -416,6 +444,7 @@ def parse_request(
         bootstrap_rooms=rooms,
         min_tokens=min_tokens,
         priority=priority,
+        answer_tokens=answer,
     )
 
 
@@ -551,8 +580,13 @@ class Formatter:
             "prompt_tokens": pt,
             "completion_tokens": k,
             "cached_tokens": ct,
-            "finish_reason": {"type": "length", "length": k} if finished else None,
+            "finish_reason": self._sglang_reason(k) if finished else None,
         }
+
+    def _sglang_reason(self, k: int) -> dict[str, Any]:
+        if self.req.finish_reason(k) == "stop":
+            return {"type": "stop", "matched": EOS_TOKEN_ID}
+        return {"type": "length", "length": k}
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.req.api == "chat" else "text_completion"
@@ -585,7 +619,7 @@ class Formatter:
                     chunk["index"] = i
                 yield chunk
             elif self.req.api == "completions":
-                fr = "length" if finished else None
+                fr = self.req.finish_reason(k) if finished else None
                 yield self._chunk([{"index": i, "text": tok, "logprobs": None, "finish_reason": fr}])
             else:
                 yield self._chunk(
@@ -595,7 +629,8 @@ class Formatter:
     def end_chunks(self, total: int) -> Iterator[dict[str, Any]]:
         if self.req.api == "chat":
             for i in range(self.req.choices):
-                yield self._chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": "length"}])
+                fr = self.req.finish_reason(total)
+                yield self._chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": fr}])
         if self.req.api != "generate" and self.req.include_usage:
             yield {**self._chunk([]), "usage": self._usage(total)}
 
@@ -616,7 +651,7 @@ class Formatter:
             return out
         if self.req.api == "completions":
             choices: list[dict[str, Any]] = [
-                {"index": i, "text": text, "logprobs": None, "finish_reason": "length"}
+                {"index": i, "text": text, "logprobs": None, "finish_reason": self.req.finish_reason(total)}
                 for i in range(self.req.choices)
             ]
             obj = "text_completion"
@@ -626,7 +661,7 @@ class Formatter:
                     "index": i,
                     "message": {"role": "assistant", "content": text},
                     "logprobs": None,
-                    "finish_reason": "length",
+                    "finish_reason": self.req.finish_reason(total),
                 }
                 for i in range(self.req.choices)
             ]

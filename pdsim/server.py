@@ -23,7 +23,7 @@ from pdsim.cache import CacheLookup, PrefixCache, count_tokens
 from pdsim.engine_model import EngineModel, ModelConfig, ModelRequest, Phase, QueueFull, StepCost
 from pdsim.faults import ErrorDraw, FaultError, Faults, updated
 from pdsim.kvstore import KVStore
-from pdsim.profiles import Profile, transfer_time_s
+from pdsim.profiles import VLLM_BLOCK_SIZE, Profile, transfer_time_s
 from pdsim.protocol import (
     SSE_DONE,
     Api,
@@ -200,6 +200,20 @@ class _Collector(Collector):
             yield gauge(
                 "sglang:num_decode_transfer_queue_reqs", "Sequences whose KV is in transfer.", transfer
             )
+            yield gauge(
+                "sglang:pending_prealloc_token_usage",
+                "KV tokens of the requests waiting to preallocate, as a fraction of the pool.",
+                m.pending_prealloc_tokens / total,
+            )
+        else:
+            # Neither engine publishes the prefill work queued on a prefill server in tokens (SGLang:
+            # only request counts, sglang:num_queue_reqs and the PD queue gauges): pdsim's own name.
+            yield gauge(
+                "pdsim_prefill_queued_tokens",
+                "Uncached prompt tokens still to prefill (waiting and running requests).",
+                m.pending_prefill_tokens,
+                False,
+            )
         yield gauge("sglang:token_usage", "Fraction of the KV token pool in use.", usage)
         yield gauge("sglang:num_used_tokens", "KV tokens in use.", m.kv_used)
         yield gauge("sglang:max_total_num_tokens", "KV pool size in tokens.", total)
@@ -220,6 +234,22 @@ class _Collector(Collector):
         yield gauge("vllm:num_requests_waiting", "Sequences waiting.", m.pending_seqs)
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of the KV cache in use (0-1).", usage)
         yield counter("vllm:num_preemptions", "Requests preempted by recompute.", m.preemptions)
+        if e.cfg.flavor != "sglang":
+            # vLLM's info gauge (vllm/v1/metrics/loggers.py, log_metrics_info("cache_config")): its
+            # CacheConfig as labels, value 1; the pool in tokens is num_gpu_blocks x block_size.
+            info = {
+                "block_size": str(VLLM_BLOCK_SIZE),
+                "cache_dtype": "auto",
+                "enable_prefix_caching": "True",
+                "engine": "0",
+                "gpu_memory_utilization": "0.9",
+                "num_gpu_blocks": str(total // VLLM_BLOCK_SIZE),
+            }
+            g = GaugeMetricFamily(
+                "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info)
+            )
+            g.add_metric(list(info.values()), 1.0)
+            yield g
         yield counter(
             "pdsim_recomputed_tokens",
             "Tokens prefilled again after a retraction or preemption.",
@@ -688,7 +718,7 @@ class Engine:
         each = [count_tokens(p) for p in req.all_prompts]
         per_prompt = tuple((pt, 0) for pt in each)
         prompt_tokens = sum(each)
-        total = req.max_tokens
+        total = req.output_tokens  # max_tokens, or the answer when it ends first
         if total == 0:
             return await self._respond(
                 request, req, rid, prompt_tokens, 0, 0, None, faults, per_prompt=per_prompt
@@ -844,6 +874,7 @@ class Engine:
                     max_new_tokens=req.max_tokens,
                     pd=pd,
                     priority=req.priority,
+                    answer_tokens=req.answer_tokens,
                 )
             )
         except QueueFull:
@@ -941,7 +972,7 @@ class Engine:
         """As :meth:`_respond`, with the tokens produced by the step loop: each step's tokens are
         written to the transport from the loop itself (no drain), only the end waits for the client."""
         fmt = self._formatter(req, rid, prompt_tokens, 0, per_prompt)
-        total, choices = req.max_tokens, req.choices
+        total, choices = req.output_tokens, req.choices
         stall_after = faults.hang_after_chunks
         limit = total if stall_after is None else min(total, stall_after)
         resp, out = await self._open_stream(request, req, rid, fmt)

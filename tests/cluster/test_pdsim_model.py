@@ -231,3 +231,66 @@ async def test_vllm_refuses_a_priority_without_priority_scheduling(spawn: Launch
         assert err["param"] == "priority" and "Priority scheduling is not enabled" in err["message"]
         async with s.post(d.url + "/v1/chat/completions", json={**body, "priority": 0}) as resp:
             assert resp.status == 200, await resp.text()
+
+
+async def test_model_answer_ends_early_with_stop_and_engine_defaults(spawn: Launch) -> None:
+    # No --running-max-req-size: the engine's own default for the profile's pool (SGLang: 2048 for
+    # the 8B profile at Llama 3.1's 128k context; vLLM on an H100: 1024, the pool in whole blocks).
+    d, v = spawn(
+        ["--role", "decode", *PROFILE, "--time-scale", "2", "--api", "sglang"],
+        ["--role", "decode", *PROFILE, "--time-scale", "2", "--api", "vllm", "--running-max-req-size", "0"],
+    )
+    pool = int((80e9 * 0.9 - 16e9) // (128 * 1024))
+    async with aiohttp.ClientSession() as s:
+        async with s.get(d.url + "/get_server_info") as resp:
+            info = await resp.json()
+        assert info["max_running_requests"] == 2048
+        assert info["max_total_num_tokens"] == pool and info["context_length"] == 131072
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True,
+                "pdsim_answer_tokens": 6}  # fmt: skip
+        for sim in (d, v):
+            async with s.post(sim.url + "/v1/chat/completions", json=chat) as resp:
+                chunks = await read_sse(resp)
+            text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+            assert text == expected_text(6)
+            assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+        # An answer as long as max_tokens (or longer) is cut: "length", SGLang's meta_info too.
+        body = {"text": "hello", "sampling_params": {"max_new_tokens": 3}, "pdsim_answer_tokens": 9}
+        async with s.post(d.url + "/generate", json=body) as resp:
+            out = await resp.json()
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+        body["pdsim_answer_tokens"] = 2
+        async with s.post(d.url + "/generate", json=body) as resp:
+            out = await resp.json()
+        assert (
+            out["meta_info"]["finish_reason"]["type"] == "stop" and out["meta_info"]["completion_tokens"] == 2
+        )
+        body["pdsim_answer_tokens"] = 0
+        async with s.post(d.url + "/generate", json=body) as resp:
+            assert resp.status == 400
+        async with s.get(v.url + "/metrics") as resp:
+            text = await resp.text()
+        (line,) = [ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info{")]
+        labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(","))
+        blocks, size = int(labels["num_gpu_blocks"].strip('"')), int(labels["block_size"].strip('"'))
+        assert size == 16 and blocks == pool // 16
+        m = await scrape(s, v)
+        assert m["pdsim_capacity"] == 1024
+        assert "vllm:cache_config_info" not in await scrape(s, d)
+
+
+async def test_model_prefill_publishes_its_queued_prefill_tokens(spawn: Launch) -> None:
+    (p,) = spawn(prefill_flags(8, *PROFILE, "--time-scale", "20", "--api", "sglang"))
+    async with aiohttp.ClientSession() as s:
+        assert await metric(s, p, "pdsim_prefill_queued_tokens") == 0
+        body = {"text": "y" * 4 * 8000, "sampling_params": {"max_new_tokens": 1}}
+        task = asyncio.ensure_future(s.post(p.url + "/generate", json=body))
+        await until(lambda: _positive(s, p, "pdsim_prefill_queued_tokens"), "queued prefill tokens")
+        resp = await task
+        assert resp.status == 200
+        resp.release()
+        assert await metric(s, p, "pdsim_prefill_queued_tokens") == 0
+
+
+async def _positive(s: aiohttp.ClientSession, sim: Sim, name: str) -> bool:
+    return await metric(s, sim, name) > 0

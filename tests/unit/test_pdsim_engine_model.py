@@ -35,6 +35,7 @@ def model(
     init_ratio: float = 0.7,
     priority: bool = False,
     low_first: bool = False,
+    reserved: int = 512,
 ) -> EngineModel:
     return EngineModel(
         ModelConfig(
@@ -48,6 +49,7 @@ def model(
             init_new_token_ratio=init_ratio,
             priority_scheduling=priority,
             low_priority_first=low_first,
+            num_reserved_decode_tokens=reserved,
         )
     )
 
@@ -308,8 +310,8 @@ def _fill(m: EngineModel, specs: list[tuple[str, int, int]], steps_each: dict[st
 
 
 def test_sglang_retracts_fewest_output_then_longest_input_and_recomputes() -> None:
-    # No reserve (ratio 0) so that everything gets in and the pool runs out.
-    m = model(kv=700, cap=8, init_ratio=0.0)
+    # No reserve (ratio 0, no reserved decode tokens) so that everything gets in and the pool runs out.
+    m = model(kv=700, cap=8, init_ratio=0.0, reserved=0)
     specs = [("old", 100, 150), ("mid_short", 100, 150), ("mid_long", 200, 150), ("new", 100, 150)]
     _fill(m, specs, {"old": 60, "mid_short": 30, "mid_long": 30, "new": 10})
     # Generated tokens so far: old 60, mid_short 30, mid_long 30, new 10 (KV = prompt + generated - 1).
@@ -338,7 +340,7 @@ def test_sglang_retracts_fewest_output_then_longest_input_and_recomputes() -> No
 
 
 def test_retraction_frees_enough_for_twenty_steps_and_raises_the_ratio() -> None:
-    m = model(kv=250, cap=8, init_ratio=0.0)
+    m = model(kv=250, cap=8, init_ratio=0.0, reserved=0)
     specs = [(f"r{i}", 10, 100) for i in range(4)]
     _fill(m, specs, {"r0": 40, "r1": 39, "r2": 38, "r3": 37})
     # KV: 4 x 10 prompt + 39 + 38 + 37 + 36 = 190; next steps need 4 tokens each until 250.
@@ -382,7 +384,7 @@ def test_vllm_preempts_newest_first_by_recompute() -> None:
 
 
 def test_prealloc_waits_for_kv_then_transfer_then_runs() -> None:
-    m = model(kv=300, cap=8)
+    m = model(kv=300, cap=8, reserved=50)
     m.add(req("big", prompt=200, max_new=10, pd=True))
     m.plan_step()
     assert m.take_events().allocated == ["big"]
@@ -510,3 +512,68 @@ def test_vllm_priority_preempts_the_lowest_priority_then_newest() -> None:
         m.transferred(rid)
     preempted = _until_displaced(m)
     assert preempted == ["a"]  # the lowest priority (vLLM: the highest value), though not the newest
+
+
+def test_an_answer_ends_at_its_own_length_but_admission_reserves_max_tokens() -> None:
+    # SGLang's admission: input + clipped max_new_tokens must fit beside the reserve. The pool holds
+    # one request asking 100 tokens at a time even though each answer is only 5 tokens long.
+    m = model(kv=150, cap=8, init_ratio=1.0)
+    m.add(ModelRequest("a", 1, 10, 10, 10, 100, answer_tokens=5))
+    m.add(ModelRequest("b", 1, 10, 10, 10, 100, answer_tokens=5))
+    m.plan_step()
+    assert m.running_seqs == 1  # b waits: 10 + 100 does not fit beside a's 10 + 100 x 1.0
+    m.finish_step()
+    finished: list[Hashable] = []
+    for _ in range(40):
+        if m.plan_step() is None:
+            break
+        ev = m.finish_step()
+        finished += ev.finished
+    assert finished == ["a", "b"]
+    assert m.queued_total == 1 and m.kv_used == 0
+
+
+def test_answer_longer_than_max_tokens_stops_at_max_tokens() -> None:
+    m = model()
+    m.add(ModelRequest("a", 1, 10, 10, 10, 3, answer_tokens=50))
+    run_until_idle(m)
+    assert m.steps == 3
+
+
+def test_sglang_prealloc_keeps_reserved_decode_tokens_per_active_request() -> None:
+    # SGLang decode.py: a prealloc needs prompt + 512 within free KV less 512 per active request.
+    m = model(kv=2000, cap=8)
+    m.add(req("a", prompt=400, max_new=10, pd=True))  # 400 + 512 <= 2000
+    m.add(req("b", prompt=400, max_new=10, pd=True))  # 400 + 512 <= 2000 - 400 - 512 x 1
+    m.add(req("c", prompt=100, max_new=10, pd=True))  # 100 + 512 > 1200 - 512 x 2
+    m.plan_step()
+    assert m.take_events().allocated == ["a", "b"]
+    assert m.kv_used == 800  # the prompts only: the answers' KV grows step by step
+    assert m.seqs(Phase.PREALLOC) == 1
+
+
+def test_sglang_prealloc_needs_room_for_its_own_max_new_tokens() -> None:
+    # SGLang decode.py: prompt + min(max_new_tokens, 4096) less what the running requests could give
+    # back must fit; a request in transfer gives nothing back.
+    for max_new, allocated in ((450, []), (350, ["b"])):
+        m = model(kv=1000, cap=8, reserved=0)
+        m.add(req("a", prompt=500, max_new=10, pd=True))
+        m.plan_step()
+        assert m.take_events().allocated == ["a"]
+        m.add(req("b", prompt=100, max_new=max_new, pd=True))
+        m.plan_step()
+        assert m.take_events().allocated == allocated, max_new
+
+
+def test_engine_default_max_running_requests() -> None:
+    from pdsim.profiles import engine_default_max_running, vllm_pool_tokens
+
+    p8 = PROFILES["llama3-8b-h100"]
+    pool = p8.default_max_total_tokens
+    # SGLang: min(pool // 2, clamp(pool / context x 512, 2048, 4096)).
+    assert engine_default_max_running("sglang", p8, pool, 131072) == 2048
+    assert engine_default_max_running("sglang", p8, pool, 32768) == 4096
+    assert engine_default_max_running("sglang", p8, 3000, 131072) == 1500
+    # vLLM on an H100 (>= 70 GiB, not an A100): max_num_seqs 1024.
+    assert engine_default_max_running("vllm", p8, pool, 131072) == 1024
+    assert vllm_pool_tokens(pool) % 16 == 0 and pool - vllm_pool_tokens(pool) < 16
