@@ -3,17 +3,34 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdcoord.config import EtcdSettings
 from pdcoord.keepalive import DEFAULT_KEEPALIVE_S, DEFAULT_KEEPALIVE_TIMEOUT_S
 from pdcoord.tls import ServerTLS, server_tls_from_args
-from pdmaster.admission import AdmissionPolicy
+from pdmaster.admission import AdmissionPolicy, RequestClass
 from pdmaster.admission_controller import policy_from_args
 from pdmaster.engine.health import BreakerPolicy
 from pdmaster.validation import Limits
 
-__all__ = ["ConfigError", "MasterConfig"]
+__all__ = ["ConfigError", "MasterConfig", "slo_targets"]
+
+# --ttft-slo: each class's admission target as a fraction of the SLO. The target bounds the wait for
+# decode capacity plus the request's expected prefill (``target_includes_prefill``); what is left of
+# the SLO covers the error of that estimate, the KV transfer and the first decode step. Measured on
+# the conversation trace with 2 s: 1.8 s kept first turns within the SLO, continuations needed 1.5 s
+# (1.2 s with four masters) for their p99 (bench/README.md, Overload).
+SLO_FRACTIONS = {
+    RequestClass.CONTINUATION: 0.75,
+    RequestClass.PROBABLE_CACHE_HIT: 0.9,
+    RequestClass.COLD: 0.9,
+}
+SLO_SPILL_PEERS = 3
+
+
+def slo_targets(slo: float) -> dict[RequestClass, float]:
+    """The per-class admission targets ``--ttft-slo`` sets."""
+    return {c: round(slo * f, 3) for c, f in SLO_FRACTIONS.items()}
 
 
 # Pings more often than this buy nothing a network can deliver and cost a core per few hundred agents.
@@ -59,6 +76,7 @@ class MasterConfig:
     engine_protocol: str = "sglang"
     prefill_selection: str = "cache-aware"
     engine_priority: str = "off"  # the class as the engines' request priority (pdmaster/engine_priority.py)
+    ttft_slo: float = 0.0  # the SLO the flags above were derived from (0: none; shown in /admission)
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     event_loop: str = "auto"
     # engine faults
@@ -104,7 +122,23 @@ class MasterConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MasterConfig:
         """TLSConfigError for unreadable certificates, ConfigError for other refused flags."""
+        slo = float(getattr(args, "ttft_slo", 0.0) or 0.0)
+        admission = policy_from_args(args)
+        engine_priority = getattr(args, "engine_priority", None)
+        spill_peers = getattr(args, "spill_peers", None)
+        if slo > 0:
+            # What is not set explicitly follows from the SLO (README, "The SLO flag").
+            if admission.target_wait_s is None:
+                admission = replace(admission, target_wait_s=slo_targets(slo), target_includes_prefill=True)
+            elif any(t > slo for t in admission.target_wait_s.values()):
+                raise ConfigError(
+                    f"--admission-target-wait must not exceed --ttft-slo {slo:g}: a request admitted "
+                    "after the SLO has passed misses it whatever the engines do"
+                )
+            engine_priority = engine_priority or "auto"
+            spill_peers = SLO_SPILL_PEERS if spill_peers is None else spill_peers
         return cls(
+            ttft_slo=slo,
             master_id=args.master_id,
             etcd=EtcdSettings.from_args(args),
             http_host=args.http_host,
@@ -134,12 +168,12 @@ class MasterConfig:
             ),
             engine_protocol=args.engine_protocol,
             prefill_selection=args.prefill_selection,
-            engine_priority=args.engine_priority,
-            admission=policy_from_args(args),
+            engine_priority=engine_priority or "off",
+            admission=admission,
             event_loop=args.event_loop,
             breaker=_breaker(args),
             max_retries=args.max_retries,
-            spill_peers=args.spill_peers,
+            spill_peers=spill_peers or 0,
             engine_connect_timeout=args.engine_connect_timeout,
             engine_first_byte_timeout=args.engine_first_byte_timeout,
             engine_idle_timeout=args.engine_idle_timeout,

@@ -13,6 +13,11 @@ The value follows the engines' direction: ``high-first`` (SGLang's default) send
 probable cache hit 1, cold 0; ``low-first`` (vLLM, or SGLang with
 ``--schedule-low-priority-values-first``) sends 0, 1, 2. A client's own ``priority`` is replaced.
 Off by default: vLLM refuses a non-zero priority (400) unless it schedules by priority.
+
+``auto`` (what ``--ttft-slo`` chooses) asks each engine: a request carries a priority only when its
+prefill and its decode engine both say they schedule by priority in the same direction, which their
+agents put in the node's start arguments (``priority_scheduling``: ``high-first`` or ``low-first``;
+SGLang's ``/get_server_info`` tells, for vLLM the operator passes ``--start-arg``).
 """
 
 from __future__ import annotations
@@ -23,20 +28,35 @@ from typing import Any
 from pdmaster.admission import CLASS_ORDER, RequestClass
 from pdmaster.engine import append_fields
 
-__all__ = ["ORDERS", "class_priorities", "with_priority"]
+__all__ = ["ORDERS", "START_ARG", "class_priorities", "node_priorities", "with_priority"]
 
-ORDERS = ("off", "high-first", "low-first")
+ORDERS = ("off", "high-first", "low-first", "auto")
+START_ARG = "priority_scheduling"  # a node's start argument: how its engine orders by priority
 
 
 def class_priorities(order: str) -> dict[RequestClass, int] | None:
     """Each class's ``priority`` value for engines that serve ``order``; None for ``off``."""
     if order not in ORDERS:
         raise ValueError(f"--engine-priority must be one of {', '.join(ORDERS)}, got {order!r}")
-    if order == "off":
+    if order in ("off", "auto"):
         return None
     rank = {c: i for i, c in enumerate(CLASS_ORDER)}  # 0 = the highest class
     top = len(CLASS_ORDER) - 1
     return {c: (top - r if order == "high-first" else r) for c, r in rank.items()}
+
+
+_TABLES = {order: class_priorities(order) for order in ("high-first", "low-first")}
+
+
+def node_priorities(
+    prefill: Mapping[str, str], decode: Mapping[str, str]
+) -> Mapping[RequestClass, int] | None:
+    """``auto``: the class priorities for a request sent to engines with these start arguments, or
+    None when either does not schedule by priority (or they disagree on the direction)."""
+    order = prefill.get(START_ARG)
+    if order is None or order != decode.get(START_ARG):
+        return None
+    return _TABLES.get(order)
 
 
 def with_priority(

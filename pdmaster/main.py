@@ -11,6 +11,7 @@ from pdcoord.config import (
     EnvArgumentParser,
     add_common_flags,
     add_etcd_flags,
+    non_negative_float,
     non_negative_int,
     port,
     positive_float,
@@ -156,11 +157,23 @@ def build_parser() -> EnvArgumentParser:
     g.add_argument(
         "--engine-priority",
         choices=list(ORDERS),
-        default="off",
+        default=None,
         help="send each request's admission class to the engines as its 'priority' (continuations "
         "first) for engines that schedule by priority: high-first for SGLang's "
         "--enable-priority-scheduling, low-first for vLLM's --scheduling-policy priority (or SGLang "
-        "with --schedule-low-priority-values-first); off (default) leaves the client's body as is",
+        "with --schedule-low-priority-values-first); auto: only to engines whose agent says they do "
+        "(start argument priority_scheduling); off leaves the client's body as is (default: auto with "
+        "--ttft-slo, else off)",
+    )
+    g.add_argument(
+        "--ttft-slo",
+        type=non_negative_float,
+        default=0.0,
+        metavar="SECONDS",
+        help="the time-to-first-token SLO the fleet is run for (0: none, the default). Sets what is not "
+        "set explicitly: --admission-target-wait at 0.75x / 0.9x / 0.9x of it for continuation / "
+        "probable cache hit / cold, counting each request's prefill (--admission-target-includes-"
+        "prefill), --engine-priority auto, and --spill-peers 3",
     )
     g.add_argument("--model", default=None, help="model name served; requests naming another get 404")
     g.add_argument(
@@ -196,12 +209,12 @@ def build_parser() -> EnvArgumentParser:
     g.add_argument(
         "--spill-peers",
         type=non_negative_int,
-        default=0,
+        default=None,
         metavar="N",
         help="a request this master refuses at once for its expected wait (429 expected_wait, nothing "
         "done for it yet) is sent to up to N other masters from etcd in random order, marked so that "
-        "none passes it on again; the first that takes it answers the client (default 0: off; "
-        "pdmaster/spill.py)",
+        "none passes it on again; the first that takes it answers the client (default 0: off, 3 with "
+        "--ttft-slo; pdmaster/spill.py)",
     )
     g.add_argument(
         "--engine-connect-timeout",

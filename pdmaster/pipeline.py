@@ -39,7 +39,7 @@ from pdmaster.admission_controller import AdmissionController, AdmissionRejected
 from pdmaster.context import RequestContext, RequestFailed
 from pdmaster.engine import Dispatch, EngineError, EnginePool, EngineResponse
 from pdmaster.engine.health import EngineBreakers, counts_as_failure
-from pdmaster.engine_priority import with_priority
+from pdmaster.engine_priority import node_priorities, with_priority
 from pdmaster.fanout import Part, split
 from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import RequestMetrics
@@ -116,7 +116,10 @@ class RequestPipeline:
         spill: Spill | None = None,
         engine_priority: Mapping[RequestClass, int] | None = None,
         charges: TokenCharge | None = None,
+        engine_priority_auto: bool = False,
     ) -> None:
+        # --engine-priority auto: the priority only for engines that say they schedule by one.
+        self.engine_priority_auto = engine_priority_auto
         self.spill = spill
         # What a lease charges of a decode node's KV pool (None: slots only, no token charge).
         self.charges = charges
@@ -422,9 +425,12 @@ class RequestPipeline:
 
     def _priority(self, ctx: RequestContext) -> int | None:
         """The ``priority`` the engines get for this request (``--engine-priority``), or None."""
-        if self.engine_priority is None or ctx.request_class is None:
+        table = self.engine_priority
+        if self.engine_priority_auto and ctx.prefill is not None and ctx.decode is not None:
+            table = node_priorities(ctx.prefill.start_args, ctx.decode.start_args)
+        if table is None or ctx.request_class is None:
             return None
-        return self.engine_priority[ctx.request_class]
+        return table[ctx.request_class]
 
     def _engine_body(self, ctx: RequestContext) -> tuple[Mapping[str, Any], bytes | None]:
         """The body (and its JSON text, when reusable) the engines get: the client's, with its

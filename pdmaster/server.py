@@ -48,6 +48,7 @@ from pdmaster.registry import DECODE, NodeRegistry, ShareChanges, split_changes
 from pdmaster.routing import POLICIES, Router
 from pdmaster.spill import ROOM_PATH, Spill, peers_from_etcd
 from pdmaster.staged_admission import StagedAdmission, make_admission
+from pdmaster.token_charge import TokenCharge
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +271,9 @@ class MasterServer:
             max_retries=cfg.max_retries,
             spill=self.spill,
             engine_priority=class_priorities(cfg.engine_priority),
+            engine_priority_auto=cfg.engine_priority == "auto",
+            # No charge without the limit: nothing would read it.
+            charges=None if cfg.admission.bypass else TokenCharge(),
             pool_factory=lambda: EnginePool(
                 connect_timeout_s=cfg.engine_connect_timeout,
                 first_byte_timeout_s=cfg.engine_first_byte_timeout,
@@ -561,7 +565,16 @@ class MasterServer:
                 yield n.node_id
 
     def admission_snapshot(self) -> dict[str, Any]:
-        return self.admission.snapshot()
+        snap = self.admission.snapshot()
+        snap["ttft_slo"] = self.config.ttft_slo or None
+        snap["engine_priority"] = self.config.engine_priority
+        charges = self.pipeline.charges
+        snap["token_charge"] = None if charges is None else charges.snapshot()
+        # Decode nodes that publish no KV pool: bounded by their slots alone (DESIGN §13).
+        snap["slots_only_nodes"] = sorted(
+            n.node_id for n in self.registry.nodes.values() if n.role == DECODE and n.kv_tokens is None
+        )
+        return snap
 
     def _control_routes(self) -> ControlRoutes:
         return ControlRoutes(
