@@ -61,6 +61,8 @@ from pdcoord.dev.workload import (
 )
 
 HANG = -1  # status of a request that did not end within the client's timeout
+# pdsim's top-level field for the answer the model would give (pdsim/protocol.py: ANSWER_FIELD)
+ANSWER_FIELD = "pdsim_answer_tokens"
 CONN_FAILED = 0  # status of a request whose connection failed or broke
 
 SHARED_PREFIXES = [
@@ -497,6 +499,7 @@ class RequestRecord:
     input_tokens: int = 0
     clipped: bool = False
     max_tokens: int = 0
+    answer_tokens: int | None = None  # the answer's own length when it ends before max_tokens
     output_tokens: int = 0  # the usage chunk's completion_tokens, else content chunks counted
     server_class: str = ""  # X-Admission-Class (pdmaster: continuation / probable_cache_hit / cold)
     admission_wait_ms: float | None = None  # X-Admission-Wait-Ms
@@ -605,6 +608,8 @@ class OpenLoop:
                                 "max_tokens": turn.max_tokens, "n": turn.n, "stream": True}  # fmt: skip
         if self.cfg.include_usage:
             body["stream_options"] = {"include_usage": True}
+        if turn.answer_tokens is not None:
+            body[ANSWER_FIELD] = turn.answer_tokens
         data = json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if turn.session_id is not None:
@@ -614,7 +619,7 @@ class OpenLoop:
                             t_send, None, None, HANG, session_id=turn.session_id, turn=turn.turn,
                             session_turns=turn.session_turns, is_continuation=turn.is_continuation, n=turn.n,
                             input_tokens=turn.input_tokens, clipped=turn.clipped,
-                            max_tokens=turn.max_tokens)  # fmt: skip
+                            max_tokens=turn.max_tokens, answer_tokens=turn.answer_tokens)  # fmt: skip
         deadline = time.monotonic() + self.cfg.request_timeout_s * self.cfg.time_scale
         url = target.url + "/v1/chat/completions"
         await self._attempt(http, url, data, headers, rec, deadline)
@@ -941,6 +946,18 @@ def open_parser() -> argparse.ArgumentParser:
         help="longer prompts are clipped to this (the engines' context must also hold max_tokens)",
     )
     t.add_argument("--trace-start", type=float, default=0.0, help="skip the trace's first seconds")
+    t.add_argument(
+        "--trace-input-range",
+        type=_int_range,
+        default=None,
+        help="replay only the requests with LO-HI input tokens (the rate is of those)",
+    )
+    t.add_argument(
+        "--ask-max-tokens",
+        type=int,
+        default=None,
+        help="send this max_tokens; the trace's output length becomes the answer's (pdsim_answer_tokens)",
+    )
     s = p.add_argument_group("synthetic")
     d = SyntheticConfig()
     s.add_argument("--turns", type=_int_range, default=d.turns, help="turns per session, LO-HI (2-6)")
@@ -961,17 +978,18 @@ def open_arrivals(args: argparse.Namespace) -> tuple[Iterable[Arrival], dict[str
     """The arrivals the CLI's arguments describe, and what was chosen (for the summary)."""
     schedule = Schedule.parse(args.schedule)
     if args.trace:
-        n, span = trace_span(args.trace)
+        n, span = trace_span(args.trace, args.trace_input_range)
         speed = args.speed or 1.0
         if args.rate:
             speed = args.rate / (n / span)
         # The trace time the run consumes: a schedule above 1x replays more of it (a burst), not
         # the same window faster and then nothing.
-        reqs = load_trace(args.trace, args.trace_start, schedule.cumulative(args.duration) * speed)
+        reqs = load_trace(args.trace, args.trace_start, schedule.cumulative(args.duration) * speed,
+                          args.trace_input_range)  # fmt: skip
         info = {"source": "trace", "trace": args.trace, "speed": speed, "trace_requests": len(reqs),
                 "continuations": sum(1 for r in reqs if r.turn > 0)}  # fmt: skip
         return trace_arrivals(reqs, speed=speed, schedule=schedule, max_input_tokens=args.max_input_tokens,
-                              tag=f"mc{args.seed}"), info  # fmt: skip
+                              tag=f"mc{args.seed}", ask_max_tokens=args.ask_max_tokens), info  # fmt: skip
     cfg = SyntheticConfig(turns=args.turns, max_tokens=args.max_tokens, think_mean_s=args.think_mean,
                           gang_fraction=args.gang_fraction, gang_n=args.gang_n,
                           system_prompts=args.system_prompts, system_tokens=args.system_tokens,

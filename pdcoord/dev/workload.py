@@ -269,6 +269,9 @@ class Turn:
     kind: str = "synthetic"
     clipped: bool = False  # the trace's prompt was longer than max_input_tokens
     session_turns: int | None = None  # turns planned for the session; None when unknown (trace)
+    # The answer the model would give (tokens), when it ends before max_tokens: sent to pdsim as
+    # ``pdsim_answer_tokens`` (the answer then stops there, as at an EOS). None: max_tokens long.
+    answer_tokens: int | None = None
 
 
 @dataclass
@@ -297,10 +300,16 @@ class TraceRequest:
     turn: int = 0
 
 
-def load_trace(path: str | Path, start_s: float = 0.0, duration_s: float | None = None) -> list[TraceRequest]:
+def load_trace(
+    path: str | Path,
+    start_s: float = 0.0,
+    duration_s: float | None = None,
+    input_range: tuple[int, int] | None = None,
+) -> list[TraceRequest]:
     """The trace's requests with ``start_s <= timestamp < start_s + duration_s`` (trace seconds),
     timestamps shifted to start at 0 (the window's start), sessions derived within the window (a
-    request whose earlier turn fell before the window starts a session: the server never saw it)."""
+    request whose earlier turn fell before the window starts a session: the server never saw it).
+    ``input_range`` (LO, HI): only the requests whose input has LO to HI tokens."""
     out = []
     end = math.inf if duration_s is None else start_s + duration_s
     with open(path) as f:
@@ -309,7 +318,7 @@ def load_trace(path: str | Path, start_s: float = 0.0, duration_s: float | None 
                 continue
             row = json.loads(line)
             ts = row["timestamp"] / 1000.0
-            if ts < start_s or ts >= end:
+            if ts < start_s or ts >= end or not _in_range(int(row["input_length"]), input_range):
                 continue
             hids = [int(h) for h in row["hash_ids"]]
             # a prompt never has more tokens than its blocks hold (not so in this trace; be safe)
@@ -320,14 +329,21 @@ def load_trace(path: str | Path, start_s: float = 0.0, duration_s: float | None 
     return out
 
 
-def trace_span(path: str | Path) -> tuple[int, float]:
-    """(requests, last - first timestamp in seconds) of the whole trace: its mean rate."""
+def _in_range(length: int, input_range: tuple[int, int] | None) -> bool:
+    return input_range is None or input_range[0] <= length <= input_range[1]
+
+
+def trace_span(path: str | Path, input_range: tuple[int, int] | None = None) -> tuple[int, float]:
+    """(requests, last - first timestamp in seconds) of the whole trace: its mean rate. With
+    ``input_range``: the requests of that input length, over the whole trace's span."""
     n, first, last = 0, math.inf, -math.inf
     with open(path) as f:
         for line in f:
             if line.strip():
-                ts = json.loads(line)["timestamp"] / 1000.0
-                n, first, last = n + 1, min(first, ts), max(last, ts)
+                row = json.loads(line)
+                ts = row["timestamp"] / 1000.0
+                first, last = min(first, ts), max(last, ts)
+                n += _in_range(int(row["input_length"]), input_range)
     return n, (last - first) if n else 0.0
 
 
@@ -358,9 +374,12 @@ def trace_arrivals(
     schedule: Schedule | None = None,
     max_input_tokens: int = 32768,
     tag: str = "mc",
+    ask_max_tokens: int | None = None,
 ) -> Iterator[Arrival]:
-    """One arrival per request at ``warp(timestamp / speed)``; ``max_tokens`` is the output length,
-    the session id the root's (``{tag}-{root index}``), turn > 0 a continuation."""
+    """One arrival per request at ``warp(timestamp / speed)``; ``max_tokens`` is the output length
+    (with ``ask_max_tokens``: that many, the output length becoming the answer that ends first, as
+    clients that over-ask), the session id the root's (``{tag}-{root index}``), turn > 0 a
+    continuation."""
     sched = schedule or Schedule()
     for r in reqs:
         clipped = r.input_length > max_input_tokens
@@ -369,8 +388,10 @@ def trace_arrivals(
         def messages(r: TraceRequest = r, length: int = length) -> Messages:
             return [{"role": "user", "content": trace_prompt(r.hash_ids, length)}]
 
-        turn = Turn(f"{tag}-{r.root}", r.turn, r.turn > 0, 1, max(1, r.output_length), length, messages,
-                    kind="trace", clipped=clipped)  # fmt: skip
+        answer = max(1, r.output_length)
+        max_tokens = answer if ask_max_tokens is None else ask_max_tokens
+        turn = Turn(f"{tag}-{r.root}", r.turn, r.turn > 0, 1, max_tokens, length, messages, kind="trace",
+                    clipped=clipped, answer_tokens=None if ask_max_tokens is None else answer)  # fmt: skip
         yield Arrival(sched.warp(r.timestamp_s / speed), [turn])
 
 

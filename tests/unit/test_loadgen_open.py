@@ -511,3 +511,45 @@ def test_cli_open_trace_replay(pdsim_decode: str, tmp_path: Path, capsys: pytest
     assert last["session_id"] == "mc4-0" and last["is_continuation"] and last["input_tokens"] == 1000
     assert all(math.isclose(r["max_tokens"], 8) for r in records)
     assert {r["status"] for r in records} <= {200, 503}
+
+
+def test_trace_input_range_and_overasking_clients(tmp_path: Path) -> None:
+    rows = [(i * 100, 1000 * (i + 1), 5 + i, [0, *range(100 * i + 1, 100 * i + 12)]) for i in range(6)]
+    trace = write_trace(tmp_path / "t.jsonl", rows)
+    picked = load_trace(trace, input_range=(2000, 4000))
+    assert [r.input_length for r in picked] == [2000, 3000, 4000]
+    # over-asking: max_tokens as asked, the trace's output the answer that ends first
+    turns = [a.turns[0] for a in trace_arrivals(picked, ask_max_tokens=4096)]
+    assert [(t.max_tokens, t.answer_tokens) for t in turns] == [(4096, 6), (4096, 7), (4096, 8)]
+    assert all(t.answer_tokens is None for a in trace_arrivals(picked) for t in a.turns)
+    args = open_parser().parse_args(
+        [
+            "--targets",
+            "http://127.0.0.1:1",
+            "--trace",
+            str(trace),
+            "--rate",
+            "3",
+            "--duration",
+            "1",
+            "--trace-input-range",
+            "2000-4000",
+            "--ask-max-tokens",
+            "64",
+        ]  # fmt: skip
+    )
+    arrivals, info = open_arrivals(args)
+    # the rate is the selected requests': 3 of them over the trace's 0.5 s span at 3 req/s
+    assert info["speed"] == pytest.approx(3 / (3 / 0.5))
+    assert [a.turns[0].max_tokens for a in arrivals] == [64, 64, 64]
+
+
+def test_overasking_answers_end_early_at_pdsim(pdsim_decode: str, tmp_path: Path) -> None:
+    rows = [(i * 100, 300, 4 + i, [0, 50 + i]) for i in range(3)]
+    trace = write_trace(tmp_path / "t.jsonl", rows)
+    out = tmp_path / "r.jsonl"
+    main(["open", "--targets", pdsim_decode, "--trace", str(trace), "--speed", "1", "--duration", "1",
+          "--out", str(out), "--request-timeout", "20", "--ask-max-tokens", "40"])  # fmt: skip
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    ok = [r for r in records if r["status"] == 200 and not r["error_code"]]
+    assert ok and all(r["max_tokens"] == 40 and r["output_tokens"] == r["answer_tokens"] < 40 for r in ok)
