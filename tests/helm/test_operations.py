@@ -321,6 +321,22 @@ def test_engine_priority_reaches_the_masters_only_when_set() -> None:
         assert f"--engine-priority={order}" in args(render({"master": {"enginePriority": order}}))
 
 
+def test_ttft_slo_reaches_the_masters_and_leaves_the_rest_to_derive() -> None:
+    def args(docs: list[Doc]) -> list[str]:
+        return list(_pod(docs, "Deployment", f"{RELEASE}-pdcoord-master")["spec"]["containers"][0]["args"])
+
+    assert not [a for a in args(render(None)) if a.startswith(("--ttft-slo", "--spill-peers"))]
+    derived = args(render({"master": {"ttftSlo": 2}}))
+    assert "--ttft-slo=2" in derived
+    # the master derives targets, priority and spilling itself: nothing else is passed for them
+    assert not [
+        a for a in derived if a.startswith(("--spill-peers", "--engine-priority", "--admission-target"))
+    ]
+    # explicit values win, an explicit 0 and off included
+    explicit = args(render({"master": {"ttftSlo": 1.5, "spillPeers": 0, "enginePriority": "off"}}))
+    assert {"--ttft-slo=1.5", "--spill-peers=0", "--engine-priority=off"} <= set(explicit)
+
+
 # --- chart: TLS to the bundled etcd --------------------------------------------------------------
 
 
