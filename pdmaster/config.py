@@ -74,7 +74,7 @@ class MasterConfig:
     limits: Limits = field(default_factory=Limits)
     # data plane
     engine_protocol: str = "sglang"
-    prefill_selection: str = "cache-aware"
+    prefill_selection: str = "earliest-first-token"
     engine_priority: str = "off"  # the class as the engines' request priority (pdmaster/engine_priority.py)
     ttft_slo: float = 0.0  # the SLO the flags above were derived from (0: none; shown in /admission)
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)

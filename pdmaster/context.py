@@ -42,6 +42,11 @@ class RequestContext:
     permits: dict[str, int] = field(default_factory=dict)
     retries: int = 0  # attempts made again on another P/D pair after a failure before the first byte
     tokens: int = 0  # KV tokens its lease charges on the decode node (pdmaster/token_charge.py)
+    prompt_tokens: int = 0  # its prompts' tokens (exact for ids, estimated for text)
+    # Prefill in tokens (pdmaster/routing.py): the prompt tokens its prefill node had to compute before
+    # its last one when it was sent, and (node, its own uncached tokens) while they wait there.
+    tokens_ahead: int = 0
+    prefill_backlog: tuple[str, int] | None = None
 
     def engine_headers(self, engine_request_id: str) -> dict[str, str]:
         """What every engine request of this client request carries; the id is fresh per dispatch."""

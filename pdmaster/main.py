@@ -150,9 +150,13 @@ def build_parser() -> EnvArgumentParser:
     )
     g.add_argument(
         "--prefill-selection",
-        choices=["cache-aware", "round-robin"],
-        default="cache-aware",
-        help="how the prefill node is chosen (round-robin is for comparison)",
+        choices=["earliest-first-token", "cache-aware", "round-robin"],
+        default="earliest-first-token",
+        help="how the prefill node is chosen: earliest-first-token (default) takes the node with the "
+        "fewest prompt tokens to compute before the request's last one (its backlog, this master's and "
+        "what its engine reports, plus the prompt's part its cache does not hold); cache-aware, the "
+        "longest cached prefix unless that node has many more requests in flight; round-robin is for "
+        "comparison",
     )
     g.add_argument(
         "--engine-priority",

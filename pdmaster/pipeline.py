@@ -60,18 +60,20 @@ log = logging.getLogger(__name__)
 FailureListener = Callable[[str, str], None]
 
 
-def request_tokens(parsed: ParsedRequest, charges: TokenCharge) -> int:
-    """The KV tokens a request's lease charges: every prompt's tokens and expected output, n times."""
+def request_tokens(parsed: ParsedRequest, charges: TokenCharge) -> tuple[int, int]:
+    """(prompt tokens, KV charge) of a request: every prompt's tokens once (what the prefill
+    computes), and every prompt's tokens and expected output n times (what its lease charges)."""
     prompts = parsed.prompts
     if prompts is None:
         ids = parsed.input_ids
         prompt = charges.prompt_tokens(len(parsed.prompt_text), None if ids is None else len(ids))
-        return charges.charge(prompt, parsed.max_tokens, parsed.n)
-    total = 0
+        return prompt, charges.charge(prompt, parsed.max_tokens, parsed.n)
+    prompt_total = charge = 0
     for p in prompts:
         prompt = charges.prompt_tokens(0, len(p)) if isinstance(p, list) else charges.prompt_tokens(len(p))
-        total += charges.charge(prompt, parsed.max_tokens, parsed.n)
-    return total
+        prompt_total += prompt
+        charge += charges.charge(prompt, parsed.max_tokens, parsed.n)
+    return prompt_total, charge
 
 
 def _failure_label(exc: EngineError) -> str:
@@ -275,21 +277,40 @@ class RequestPipeline:
                         exc.status, exc.message, code=exc.code, retry_after=exc.retry_after
                     ) from None
         finally:
+            self._prefilled(ctx)
             self.lifecycle.leave()
             ctx.metrics.duration.observe(time.perf_counter() - ctx.arrived)
 
     # -- the prefill's share of the time to first token --------------------------------------------
-    @staticmethod
-    def _uncached_blocks(ctx: RequestContext) -> int:
-        est = ctx.estimate
-        return 0 if est is None else est.total_blocks - est.best_blocks
-
     def _lead(self, ctx: RequestContext) -> float:
+        """The expected time from grant to first output: the prefill time of the tokens ahead of the
+        request's last one where that is least (the node routing will choose)."""
         pt = self.prefill_time
-        return 0.0 if pt is None or ctx.retries else pt.predict(self._uncached_blocks(ctx))
+        if pt is None or ctx.retries or ctx.estimate is None:
+            return 0.0
+        ahead = self.router.least_ahead(ctx.estimate, ctx.prompt_tokens)
+        return 0.0 if ahead is None else pt.predict(ahead)
+
+    def _routed(self, ctx: RequestContext, prefill: Node) -> None:
+        """``prefill`` takes the request: its uncached tokens join that node's backlog until its first
+        output (``_prefilled``), and the tokens ahead of its last one are noted for the prefill time."""
+        self._prefilled(ctx)
+        estimate = ctx.estimate
+        own = 0 if estimate is None else self.router.uncached(prefill, estimate, ctx.prompt_tokens)
+        ctx.tokens_ahead = self.router.backlog(prefill) + own
+        self.router.routed(prefill, ctx.hashes, own)
+        ctx.prefill_backlog = (prefill.node_id, own)
+
+    def _prefilled(self, ctx: RequestContext) -> None:
+        """The request's prompt no longer waits at its prefill node (first output, failure, end)."""
+        held = ctx.prefill_backlog
+        if held is not None:
+            ctx.prefill_backlog = None
+            self.router.prefill_tokens_done(*held)
 
     def _first_output(self, ctx: RequestContext) -> None:
         self.admission.observe_output(ctx.session_id)
+        self._prefilled(ctx)
         pt, lease = self.prefill_time, ctx.lease
         if pt is None or lease is None or ctx.retries or not ctx.parsed.stream:
             return  # a whole body arrives at its end, not at its first token
@@ -298,7 +319,7 @@ class RequestPipeline:
         else:
             start, later = lease.ticket.granted_at, 0.0
         if start is not None:
-            pt.observe(self._uncached_blocks(ctx), time.monotonic() - start - later)
+            pt.observe(ctx.tokens_ahead, time.monotonic() - start - later)
 
     async def _spill(
         self, ctx: RequestContext, spill: Spill, *, to: str | None = None, waited_s: float | None = None
@@ -324,14 +345,14 @@ class RequestPipeline:
         ctx.request_class = self.admission.classify(ctx.session_id, ctx.estimate.hit_ratio)
         self.metrics.classified(ctx.request_class.name.lower())
         if self.charges is not None:
-            ctx.tokens = request_tokens(parsed, self.charges)
+            ctx.prompt_tokens, ctx.tokens = request_tokens(parsed, self.charges)
 
     def route(self, ctx: RequestContext, exclude: Collection[str] = ()) -> None:
         """Choose P (never one in ``exclude``) and D; take a permission from each one's breaker
         (EngineError ``breaker`` when a half-open breaker's one trial is already in flight)."""
         assert ctx.lease is not None and ctx.estimate is not None
         decode = self.router.decode(ctx.lease.node)
-        prefill = self.router.prefill(ctx.estimate, exclude)
+        prefill = self.router.prefill(ctx.estimate, exclude, ctx.prompt_tokens)
         if decode is None or prefill is None:
             what = "prefill" if prefill is None else "decode"
             raise RequestFailed(503, f"no {what} node available", retry_after=1)
@@ -382,14 +403,14 @@ class RequestPipeline:
         """P with the pass; then the decode lease, D and D's 200 answer (EngineError otherwise). Both
         engines' breakers hear the outcome, each of its own half."""
         assert self._dispatch is not None and ctx.estimate is not None
-        prefill = self.router.prefill(ctx.estimate, failed)
+        prefill = self.router.prefill(ctx.estimate, failed, ctx.prompt_tokens)
         if prefill is None:
             raise RequestFailed(503, "no prefill node available", retry_after=1)
         self._permit(ctx, prefill)
         ctx.prefill = prefill
         ctx.engine_request_id = self.new_id()
         headers = ctx.engine_headers(ctx.engine_request_id)
-        self.router.routed(prefill, ctx.hashes)
+        self._routed(ctx, prefill)
         try:
             body, _ = self._engine_body(ctx)
             params = await self._dispatch.prefill(ctx.endpoint, body, prefill, headers)
@@ -459,7 +480,7 @@ class RequestPipeline:
         # engine (vLLM keys its requests by it); the client's id stays in the response and the logs.
         ctx.engine_request_id = self.new_id()
         body, raw = self._engine_body(ctx)
-        self.router.routed(prefill, ctx.hashes)
+        self._routed(ctx, prefill)
         try:
             answer = await self._dispatch.open(
                 ctx.endpoint,
@@ -520,7 +541,7 @@ class RequestPipeline:
         which the engines' breakers hear) after closing the parts that did answer."""
         assert self._dispatch is not None and ctx.prefill is not None and ctx.decode is not None
         prefill, decode, dispatch = ctx.prefill, ctx.decode, self._dispatch
-        self.router.routed(prefill, ctx.hashes)
+        self._routed(ctx, prefill)
         unsent = len(parts)
 
         def sent() -> None:

@@ -1,5 +1,5 @@
-"""What a request still waits after admission before its first token: a learned line in its
-uncached prompt blocks (``--admission-target-includes-prefill``).
+"""What a request still waits after admission before its first token: a learned line in the prompt
+tokens its prefill node computes before its last one (``--admission-target-includes-prefill``).
 
 Why. The admission target bounds the wait; the SLO clients hold a router to is the time to the first
 token, which is that wait plus the request's prefill (its queue at the prefill engine, the compute
@@ -9,10 +9,15 @@ refuses short prompts that would have met the SLO or admits long ones that will 
 prefill counted, each request gets the wait its own prompt leaves (Mooncake's early rejection
 predicts the TTFT the same way).
 
-How. An exponentially weighted least-squares line ``seconds = a + b * uncached_blocks`` over the
-requests served lately (the observation: their first output minus their grant, less any wait for a
-decode slot after the prefill), so that it follows the prefill engines' load as well as the prompt
-mix. It predicts 0 (the target stays a pure wait target) until it has seen ``MIN_SAMPLES``
+How. An exponentially weighted least-squares line ``seconds = a + b * tokens_ahead`` over the
+requests served lately (``tokens_ahead``: the node's prefill backlog when the request was sent, this
+master's and its engine's report, plus the request's uncached prompt tokens; ``pdmaster/routing.py``;
+``a`` holds what does not grow with the tokens: the KV transfer, the first decode step). The
+observation: their first output minus their grant, less any wait for a decode slot after the
+prefill. With the backlog in ``x`` the line measures the engines' rate (``1 / b`` tokens a second)
+rather than the load of the moment, so a burst of long prompts at one node raises the prediction for
+that node's next request at once instead of some dozens of requests later, and routing sends it
+elsewhere. It predicts 0 (the target stays a pure wait target) until it has seen ``MIN_SAMPLES``
 requests, never less than 0, and falls back to the mean when every recent prompt had the same size.
 
 Pure and clock-free: the pipeline feeds it durations it measured.

@@ -2,8 +2,15 @@
 
 The decode node is where the admission lease was placed (capacity is counted per decode node, so
 there is no other choice to make). The prefill node is chosen by a :class:`PrefillPolicy`:
+earliest first token (the default: the node with the fewest prompt tokens to compute before this
+request's last one, its backlog plus the part of the prompt its cache does not hold; DESIGN §13),
 cache-aware (the node whose approximate prefix cache holds the longest prefix of the prompt, unless
-it is overloaded; :func:`choose_prefill`, pure) or round-robin (for comparison). The router keeps the
+it is overloaded by request count; :func:`choose_prefill`, pure) or round-robin (for comparison).
+
+A prefill node's backlog is the uncached prompt tokens this master sent it that have not produced
+their first output yet, or what its engine reports queued (every master's requests, through its agent;
+``Load.prefill_backlog_tokens``), whichever is larger: the report is up to a report interval old and
+this master's own count is exact for its part. The router keeps the
 prefix index in step with the node table: a prefill node that leaves the live set is dropped from
 the index, so it can no longer make a request look like a probable cache hit.
 """
@@ -11,7 +18,7 @@ the index, so it can no longer make a request look like a probable cache hit.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, Protocol, TypeVar
 
@@ -21,6 +28,7 @@ from pdmaster.registry import PREFILL, Node, NodeRegistry
 __all__ = [
     "POLICIES",
     "CacheAwarePrefill",
+    "EarliestFirstToken",
     "PrefillChoice",
     "PrefillPolicy",
     "RoundRobinPrefill",
@@ -83,12 +91,47 @@ def choose_prefill(
     return PrefillChoice(node, "least_loaded", matched, ratio)
 
 
+def earliest(candidates: Sequence[NodeId], ahead: Sequence[int], tie_breaker: int = 0) -> NodeId:
+    """The candidate with the fewest tokens ``ahead`` (same order); ties round-robin by ``tie_breaker``."""
+    least = min(ahead)
+    tied = [c for c, a in zip(candidates, ahead, strict=True) if a == least]
+    return tied[tie_breaker % len(tied)]
+
+
 class PrefillPolicy(Protocol):
     def choose(
-        self, candidates: Sequence[Node], estimate: PrefixEstimate[str], in_flight: Mapping[str, int]
+        self,
+        candidates: Sequence[Node],
+        estimate: PrefixEstimate[str],
+        in_flight: Mapping[str, int],
+        ahead: Callable[[Node], int] | None = None,
     ) -> Node | None:
-        """One of ``candidates`` (live prefill nodes sorted by id, never empty), or None."""
+        """One of ``candidates`` (live prefill nodes sorted by id, never empty), or None. ``ahead``:
+        the prompt tokens a node would compute before this request's first token."""
         ...
+
+
+class EarliestFirstToken:
+    """The node where the request's prefill would end first: fewest tokens ahead of its last one
+    (the node's backlog plus the prompt's uncached part there). Cache hits count as the tokens they
+    save; a hit node that is busy loses to an idle one once its backlog outweighs the hit."""
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(
+        self,
+        candidates: Sequence[Node],
+        estimate: PrefixEstimate[str],
+        in_flight: Mapping[str, int],
+        ahead: Callable[[Node], int] | None = None,
+    ) -> Node | None:
+        self._turn += 1
+        if len(candidates) == 1:
+            return candidates[0]
+        if ahead is None:
+            return candidates[self._turn % len(candidates)]
+        return earliest(candidates, [ahead(n) for n in candidates], self._turn)
 
 
 class CacheAwarePrefill:
@@ -96,7 +139,11 @@ class CacheAwarePrefill:
         self._turn = 0
 
     def choose(
-        self, candidates: Sequence[Node], estimate: PrefixEstimate[str], in_flight: Mapping[str, int]
+        self,
+        candidates: Sequence[Node],
+        estimate: PrefixEstimate[str],
+        in_flight: Mapping[str, int],
+        ahead: Callable[[Node], int] | None = None,
     ) -> Node | None:
         self._turn += 1
         if len(candidates) == 1:
@@ -112,13 +159,18 @@ class RoundRobinPrefill:
         self._turn = 0
 
     def choose(
-        self, candidates: Sequence[Node], estimate: PrefixEstimate[str], in_flight: Mapping[str, int]
+        self,
+        candidates: Sequence[Node],
+        estimate: PrefixEstimate[str],
+        in_flight: Mapping[str, int],
+        ahead: Callable[[Node], int] | None = None,
     ) -> Node | None:
         self._turn += 1
         return candidates[self._turn % len(candidates)]
 
 
-POLICIES: dict[str, type[CacheAwarePrefill] | type[RoundRobinPrefill]] = {
+POLICIES: dict[str, type[EarliestFirstToken] | type[CacheAwarePrefill] | type[RoundRobinPrefill]] = {
+    "earliest-first-token": EarliestFirstToken,
     "cache-aware": CacheAwarePrefill,
     "round-robin": RoundRobinPrefill,
 }
@@ -132,6 +184,9 @@ class Router:
         self.policy: PrefillPolicy = policy if policy is not None else CacheAwarePrefill()
         self.index: PrefixIndex[str] = PrefixIndex()
         self.prefill_in_flight: dict[str, int] = defaultdict(int)
+        # Uncached prompt tokens this master sent each prefill node that have not produced their first
+        # output yet (``routed`` .. ``prefill_tokens_done``).
+        self.prefill_tokens: dict[str, int] = defaultdict(int)
         registry.on_node_left(self._node_left)
 
     def _node_left(self, node_id: str, role: str) -> None:
@@ -143,23 +198,64 @@ class Router:
         hashes = self.index.hashes(prompt)
         return hashes, self.index.estimate(hashes)
 
-    def prefill(self, estimate: PrefixEstimate[str], exclude: Collection[str] = ()) -> Node | None:
+    def backlog(self, node: Node) -> int:
+        """Prompt tokens ``node`` still has to compute: this master's, or its engine's word on every
+        master's, whichever is larger."""
+        reported = node.load.prefill_backlog_tokens if node.load.probe_ok else None
+        own = self.prefill_tokens.get(node.node_id, 0)
+        return own if reported is None or reported < own else reported
+
+    @staticmethod
+    def uncached(node: Node, estimate: PrefixEstimate[str], prompt_tokens: int) -> int:
+        """The prompt tokens ``node``'s cache does not hold (as far as the prefix index knows)."""
+        return prompt_tokens - int(prompt_tokens * estimate.ratio(node.node_id))
+
+    def tokens_ahead(self, node: Node, estimate: PrefixEstimate[str], prompt_tokens: int) -> int:
+        """Prompt tokens ``node`` computes before this request's first token: its backlog plus the
+        request's uncached part there."""
+        return self.backlog(node) + self.uncached(node, estimate, prompt_tokens)
+
+    def least_ahead(self, estimate: PrefixEstimate[str], prompt_tokens: int) -> int | None:
+        """``tokens_ahead`` on the live prefill node where it is least (None: no prefill node)."""
+        nodes = self.registry.live(PREFILL)
+        if not nodes:
+            return None
+        return min(self.tokens_ahead(n, estimate, prompt_tokens) for n in nodes)
+
+    def prefill(
+        self, estimate: PrefixEstimate[str], exclude: Collection[str] = (), prompt_tokens: int = 0
+    ) -> Node | None:
         """A live prefill node (its engine usable), never one in ``exclude`` (it failed this request)."""
         candidates = self.registry.live(PREFILL)  # sorted by id, cached by the registry
         if exclude:
             candidates = [n for n in candidates if n.node_id not in exclude]
         if not candidates:
             return None
-        return self.policy.choose(candidates, estimate, self.prefill_in_flight)
+
+        def ahead(node: Node) -> int:
+            return self.tokens_ahead(node, estimate, prompt_tokens)
+
+        return self.policy.choose(candidates, estimate, self.prefill_in_flight, ahead)
 
     def decode(self, placement: str | None) -> Node | None:
         """The decode node of an admission lease (None when it has gone meanwhile)."""
         return self.registry.nodes.get(placement or "")
 
-    def routed(self, prefill: Node, hashes: Sequence[int]) -> None:
-        """The request goes to ``prefill``: its cache will hold the prompt; it has one more in flight."""
+    def routed(self, prefill: Node, hashes: Sequence[int], tokens: int = 0) -> None:
+        """The request goes to ``prefill``: its cache will hold the prompt; it has one more in flight,
+        with ``tokens`` uncached prompt tokens (given back by ``prefill_tokens_done``)."""
         self.index.record(prefill.node_id, hashes)
         self.prefill_in_flight[prefill.node_id] += 1
+        if tokens:
+            self.prefill_tokens[prefill.node_id] += tokens
 
     def prefill_done(self, prefill: Node) -> None:
         self.prefill_in_flight[prefill.node_id] -= 1
+
+    def prefill_tokens_done(self, node_id: str, tokens: int) -> None:
+        """A request's prompt on ``node_id`` was computed (its first output came) or abandoned."""
+        left = self.prefill_tokens.get(node_id, 0) - tokens
+        if left > 0:
+            self.prefill_tokens[node_id] = left
+        else:
+            self.prefill_tokens.pop(node_id, None)

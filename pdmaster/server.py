@@ -272,8 +272,7 @@ class MasterServer:
             spill=self.spill,
             engine_priority=class_priorities(cfg.engine_priority),
             engine_priority_auto=cfg.engine_priority == "auto",
-            # No charge without the limit: nothing would read it.
-            charges=None if cfg.admission.bypass else TokenCharge(),
+            charges=TokenCharge(),
             pool_factory=lambda: EnginePool(
                 connect_timeout_s=cfg.engine_connect_timeout,
                 first_byte_timeout_s=cfg.engine_first_byte_timeout,
@@ -418,6 +417,7 @@ class MasterServer:
             return False
         self._key_check_at.pop(node_id, None)
         router.prefill_in_flight.pop(node_id, None)
+        router.prefill_tokens.pop(node_id, None)
         router.index.remove_node(node_id)
         self.breakers.breakers.pop(node_id, None)
         self.anchor.forget(node_id)

@@ -59,12 +59,12 @@ def test_request_tokens_counts_every_prompt_and_choice() -> None:
     ids = parse_generate(
         _j({"input_ids": list(range(100)), "sampling_params": {"max_new_tokens": 20}}), limits
     )
-    assert request_tokens(ids, c) == 120
+    assert request_tokens(ids, c) == (100, 120)
     chat = parse_chat(
         _j({"model": "m", "messages": [{"role": "user", "content": "x" * 297}], "max_tokens": 10, "n": 2}),
         limits,
     )
     # "user: " + 297 characters + newline = 304 characters, 3 a token, rounded up: 102
-    assert request_tokens(chat, c) == 2 * (102 + 10)
+    assert request_tokens(chat, c) == (102, 2 * (102 + 10))
     batch = parse_completion(_j({"model": "m", "prompt": [[1, 2, 3], [4, 5]], "max_tokens": 5}), limits)
-    assert request_tokens(batch, c) == (3 + 5) + (2 + 5)
+    assert request_tokens(batch, c) == (5, (3 + 5) + (2 + 5))
