@@ -64,6 +64,7 @@ from proxy_bench import SGLANG_ROUTER_VERSION, ensure_sglang_router, start_sglan
 from pdcoord.dev.cluster import LocalCluster, scrape_metrics
 from pdcoord.dev.etcd_server import LocalEtcd
 from pdcoord.dev.launcher import ProcessGroup
+from pdsim.profiles import PROFILES, engine_default_max_running, vllm_pool_tokens
 
 TRACE = BENCH / "traces" / "mooncake-fast25" / "conversation_trace.jsonl"
 PROFILE = "llama3-8b-h100"
@@ -74,7 +75,30 @@ MAX_OUTPUT = 2048
 # A decode engine's KV pool holds its whole batch at the longest request the replay sends
 # (prompt ≤ MAX_INPUT, answer ≤ MAX_OUTPUT), as an operator sizes --max-running-requests for a pool:
 # what runs inside the cap can never be retracted.
-DECODE_KV_TOKENS = max(DECODES.values()) * (MAX_INPUT + MAX_OUTPUT)
+DECODE_KV_TOKENS: int | None = max(DECODES.values()) * (MAX_INPUT + MAX_OUTPUT)
+CONTEXT_LENGTH: int | None = MAX_INPUT + MAX_OUTPUT + 1024
+SIZED_SLOTS = 8
+# --engines: how each engine is configured.
+# * sized: 8 slots per engine and a decode KV pool holding the whole batch at the longest request
+#   (the request-count bound always binds: what earlier results measured);
+# * default: the llama3-8b-h100 profile as an operator starts the engine: its own KV pool (the GPU's
+#   memory less the weights) and the engine's own default max_running_requests (SGLang: 2048 at the
+#   model's 128k context; vLLM: max_num_seqs 1024), the model's context;
+# * default-70b: the same with llama3-70b-h100-tp4.
+ENGINE_CONFIGS = {
+    "sized": "llama3-8b-h100",
+    "default": "llama3-8b-h100",
+    "default-70b": "llama3-70b-h100-tp4",
+}
+# --workload: what the clients send (the Mooncake conversation trace underneath all but synthetic).
+# * conversation: the trace as it is (max_tokens = the trace's output length);
+# * long-prompt: only its requests with 10k-30k input tokens (3 649 of 12 031, mean input 17.2k,
+#   mean output 354), timestamps as in the trace, the rate of those;
+# * overask: clients send max_tokens 4096 while the answers are the trace's (mean 343): each answer
+#   ends early (pdsim_answer_tokens, finish_reason stop), the engines reserve for 4096.
+WORKLOADS = ("conversation", "long-prompt", "overask", "synthetic")
+LONG_PROMPT_RANGE = (10_000, 30_000)
+OVERASK_MAX_TOKENS = 4096
 SLO_TTFT_S = 2.0
 SLO_TPOT_S = 0.05
 DEFAULT_LAMBDA_STAR = 4.83  # engine-time req/s, measured by --calibrate (bench/README.md)
@@ -148,13 +172,79 @@ def weights_of(spec: dict[str, Any]) -> list[float]:
     return [1.0 / n] * n
 
 
-def fleet_throughput(args: argparse.Namespace) -> float:
-    """Requests per engine second the decode slots complete: slots ÷ the mean decode time of the
-    replayed requests at a full batch (the profile's step: 5.75 ms + 6 µs per sequence)."""
+def configure_engines(args: argparse.Namespace) -> None:
+    """Set the fleet (``--fleet``) and each engine's configuration (``--engines``)."""
+    global PROFILE, PREFILLS, DECODES, DECODE_KV_TOKENS, CONTEXT_LENGTH
+    PROFILE = ENGINE_CONFIGS[args.engines]
+    n_pre, n_dec = (int(x) for x in args.fleet.split("x"))
+    if args.engines == "sized":
+        cap = SIZED_SLOTS
+        longest_answer = max(MAX_OUTPUT, OVERASK_MAX_TOKENS if args.workload == "overask" else 0)
+        DECODE_KV_TOKENS = cap * (MAX_INPUT + longest_answer)
+        CONTEXT_LENGTH = MAX_INPUT + longest_answer + 1024
+        pre_cap = dec_cap = cap
+    else:
+        DECODE_KV_TOKENS = None  # the profile's own pool
+        CONTEXT_LENGTH = None  # the model's own context
+        pre_cap = dec_cap = engine_cap(vllm=False)
+    PREFILLS = {f"p{i + 1}": pre_cap for i in range(n_pre)}
+    DECODES = {f"d{i + 1}": dec_cap for i in range(n_dec)}
+
+
+def engine_cap(vllm: bool) -> int:
+    """A default engine's own max_running_requests (pdsim.profiles: as SGLang and vLLM compute it)."""
+    p = PROFILES[PROFILE]
+    pool = vllm_pool_tokens(p.default_max_total_tokens) if vllm else p.default_max_total_tokens
+    return engine_default_max_running("vllm" if vllm else "sglang", p, pool, p.context_length)
+
+
+def caps_for(vllm: bool) -> dict[str, int]:
+    """Every engine's batch cap for a contender (a default vLLM engine has another than SGLang's)."""
+    caps = {**PREFILLS, **DECODES}
+    if DECODE_KV_TOKENS is None and vllm:
+        caps = dict.fromkeys(caps, engine_cap(vllm=True))
+    return caps
+
+
+def workload_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The trace rows the workload replays (the synthetic workload: the trace, for the estimates)."""
     rows = trace_rows(args)
+    if args.workload == "long-prompt":
+        lo, hi = LONG_PROMPT_RANGE
+        rows = [r for r in rows if lo <= r["input_length"] <= hi]
+    return rows
+
+
+def decode_concurrency(args: argparse.Namespace) -> float:
+    """Requests the decode engines hold at once: the batch caps, or what their KV pools hold of the
+    replayed requests (mean prompt + mean answer) when that is less."""
+    if DECODE_KV_TOKENS is not None:
+        return float(sum(DECODES.values()))
+    rows = workload_rows(args)
+    mean_in = statistics.mean(min(r["input_length"], MAX_INPUT) for r in rows) if rows else 12035
+    mean_out = statistics.mean(r["output_length"] for r in rows) if rows else 343
+    pool = PROFILES[PROFILE].default_max_total_tokens
+    per_engine = min(max(DECODES.values()), pool / (mean_in + mean_out))
+    return per_engine * len(DECODES)
+
+
+def fleet_throughput(args: argparse.Namespace) -> float:
+    """Requests per engine second the fleet completes, estimated: the decode side (the requests held
+    at once ÷ the mean decode time at that batch, the profile's step) or, when less, the prefill side
+    (the prefill engines' token rate in full chunks ÷ the mean prompt, a third of it cached)."""
+    rows = workload_rows(args)
+    p = PROFILES[PROFILE]
     mean_out = statistics.mean(min(r["output_length"], MAX_OUTPUT) for r in rows) if rows else 343
-    step_s = 0.0057527 + 6.0e-6 * max(DECODES.values())
-    return sum(DECODES.values()) / (mean_out * step_s)
+    mean_in = statistics.mean(min(r["input_length"], MAX_INPUT) for r in rows) if rows else 12035
+    conc = decode_concurrency(args)
+    step_s = p.step_base_s + p.per_decode_seq_s * conc / len(DECODES)
+    decode = conc / (mean_out * step_s)
+    chunk = 16384
+    prefill_tok_s = chunk / (p.step_base_s + p.per_prefill_token_s * chunk) * len(PREFILLS)
+    prefill = prefill_tok_s / (mean_in * (2 / 3))
+    if DECODE_KV_TOKENS is not None and args.engines == "sized":
+        return decode  # the earlier estimate: the decode slots bind
+    return min(decode, prefill)
 
 
 _TRACE_ROWS: list[dict[str, Any]] | None = None
@@ -204,6 +294,9 @@ class Sampler(threading.Thread):
                     "running": running,
                     "held": held,
                     "queue": max(0.0, held - e.capacity),
+                    # KV pool used / pool (both flavours publish SGLang's gauge in pdsim)
+                    "kv": m.get("sglang:token_usage", m.get("vllm:kv_cache_usage_perc", 0.0)),
+                    "prealloc": m.get("sglang:num_decode_prealloc_queue_reqs", 0.0),
                 }
             leased = queued = held = 0.0
             per_master = []
@@ -285,7 +378,12 @@ def workload_args(args: argparse.Namespace) -> list[str]:
         # system prompt shared by a few sessions, answers of 80-350 tokens, 10 % with n = 4): most
         # requests are continuations, which the trace's short windows hardly hold.
         return ["--synthetic"]
-    return ["--trace", str(args.trace), "--max-input-tokens", str(MAX_INPUT)]
+    out = ["--trace", str(args.trace), "--max-input-tokens", str(MAX_INPUT)]
+    if args.workload == "long-prompt":
+        out += ["--trace-input-range", "{}-{}".format(*LONG_PROMPT_RANGE)]
+    elif args.workload == "overask":
+        out += ["--ask-max-tokens", str(OVERASK_MAX_TOKENS)]
+    return out
 
 
 def engine_args(args: argparse.Namespace, role: str, vllm: bool) -> dict[str, Any]:
@@ -293,9 +391,10 @@ def engine_args(args: argparse.Namespace, role: str, vllm: bool) -> dict[str, An
         "profile": PROFILE,
         "time_scale": args.time_scale,
         "api": "vllm" if vllm else "sglang",
-        "context_length": MAX_INPUT + MAX_OUTPUT + 1024,
     }
-    if role == "decode":
+    if CONTEXT_LENGTH is not None:
+        a["context_length"] = CONTEXT_LENGTH
+    if role == "decode" and DECODE_KV_TOKENS is not None:
         a["max_total_tokens"] = DECODE_KV_TOKENS
     return a
 
@@ -324,7 +423,7 @@ def run_one(
         if True:
             c = LocalCluster(group, etcd.endpoint if etcd else "", f"overload-{tag}")
             engines: dict[str, Any] = {}
-            capacities = {**PREFILLS, **DECODES}
+            capacities = caps_for(vllm)
             for name, cap in capacities.items():
                 role = "prefill" if name.startswith("p") else "decode"
                 ea = engine_args(args, role, vllm)
@@ -378,7 +477,8 @@ def run_one(
             else:
                 assert sgl_py is not None
                 n = spec["routers"]
-                slots = sum(DECODES.values())
+                # what the decode engines run at once: their slots, or what their KV holds
+                slots = round(decode_concurrency(args))
                 thr = fleet_throughput(args) / k  # wall req/s
                 for i in range(n):
                     flags: list[str] = []
@@ -391,7 +491,7 @@ def run_one(
                             "--queue-size", str(conc),
                             "--queue-timeout-secs", str(max(1, math.ceil(SLO_TTFT_S * k))),
                         ]  # fmt: skip
-                    prefills = [engines[p] for p in PREFILLS]
+                    prefills = [engines[name] for name in PREFILLS]
                     decodes = [engines[d] for d in DECODES]
                     url, _pid, err = start_sglang_router(
                         group,
@@ -532,8 +632,14 @@ def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
     unleased_waiting: list[float] = []
     stranded: list[float] = []
     capacity = sum(DECODES.values())
+    kv_use: list[float] = []  # decode KV used / pool, mean over the decode engines, per sample
+    prealloc_peak = 0.0
     for s in run["samples"]:
         eng = s["engines"]
+        kvs = [eng[n].get("kv", 0.0) for n in eng if n in dec]
+        if kvs:
+            kv_use.append(statistics.mean(kvs))
+        prealloc_peak = max(prealloc_peak, sum(eng[n].get("prealloc", 0.0) for n in eng if n in dec))
         peak_queue = max(peak_queue, sum(eng[n]["queue"] for n in eng if n in dec))
         running = sum(eng[n]["running"] for n in eng if n in dec)
         sum_running_max = max(sum_running_max, running)
@@ -561,6 +667,10 @@ def analyse(run: dict[str, Any], k: float, duration_e: float) -> dict[str, Any]:
             else None
         ),
         "engine_queued_total": total("pdsim_queued_total", dec),
+        # decode KV pool used / pool, averaged over the run's samples (and the decode engines)
+        "decode_kv_util_mean": round(statistics.mean(kv_use), 3) if kv_use else None,
+        "decode_kv_util_peak": round(max(kv_use), 3) if kv_use else None,
+        "engine_prealloc_peak": prealloc_peak,
         "engine_peak_queue": peak_queue,
         "engine_peak_waiting": max(
             (counters[n].get("pdsim_max_waiting", 0.0) for n in dec if n in counters), default=0.0
@@ -831,6 +941,24 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def engine_table(results: dict[str, Any]) -> str:
+    """What happened inside the engines, per contender and load (a repeated point: each run)."""
+    out = [
+        "| contender | load | goodput | waited in a decode engine | retractions / preemptions "
+        "| decode KV used (mean / peak) | TTFT p99 first turns / continuations |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(results["sweep"], key=lambda r: (r["load"], _order(r["contender"]), r.get("repeat", 0))):
+        ft, co = r["by_class"]["first_turn"], r["by_class"]["continuation"]
+        out.append(
+            f"| {r['contender']} | {r['load']:g} | {r['goodput_rps']:.2f} | {r['engine_queued_total']:.0f} "
+            f"| {r['retractions']:.0f} / {r['preemptions']:.0f} "
+            f"| {r.get('decode_kv_util_mean')} / {r.get('decode_kv_util_peak')} "
+            f"| {ft['ttft_p99_s']} / {co['ttft_p99_s']} |"
+        )
+    return "\n".join(out)
+
+
 # ---------------------------------------------------------------------------- reanalysis
 
 
@@ -921,10 +1049,20 @@ def main() -> None:
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument(
         "--workload",
-        choices=["trace", "synthetic"],
-        default="trace",
-        help="replay --trace, or the load generator's synthetic multi-turn sessions",
+        choices=[*WORKLOADS, "trace"],
+        default="conversation",
+        help="conversation (the trace; 'trace' is the same), long-prompt (its 10k-30k-token prompts), "
+        "overask (max_tokens 4096, the trace's answers ending early), or the load generator's "
+        "synthetic multi-turn sessions",
     )
+    p.add_argument(
+        "--engines",
+        choices=list(ENGINE_CONFIGS),
+        default="sized",
+        help="sized: 8 slots, a decode pool holding the whole batch; default: the 8B profile's own pool "
+        "and the engine's own max_running_requests; default-70b: the same for the 70B TP4 profile",
+    )
+    p.add_argument("--fleet", default="2x2", help="prefill x decode engines (default 2x2)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
         "--repeats",
@@ -946,6 +1084,11 @@ def main() -> None:
     args = p.parse_args()
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    if args.workload == "trace":
+        args.workload = "conversation"
+    if not re.fullmatch(r"[1-9]\d*x[1-9]\d*", args.fleet):
+        p.error("--fleet: PxD, e.g. 2x2")
+    configure_engines(args)
     k = args.time_scale
     if args.reanalyse:
         results = reanalyse(RESULTS / args.out)
@@ -970,25 +1113,45 @@ def main() -> None:
     prev_path = RESULTS / args.out
     if prev_path.exists():
         previous = json.loads(prev_path.read_text())
-    lam = args.lambda_star or previous.get("lambda_star") or DEFAULT_LAMBDA_STAR
+    lam = (
+        args.lambda_star
+        or previous.get("lambda_star")
+        or (DEFAULT_LAMBDA_STAR if args.engines == "sized" and args.workload == "conversation" else None)
+    )
+    if lam is None and not args.calibrate:
+        p.error("no λ* for this --engines/--workload: give --lambda-star or --calibrate")
     calibration: list[dict[str, Any]] = []
     if args.calibrate and sgl_py is not None:
         # λ*: the highest rate at which the unbounded router keeps 90 % within the SLO.
         lam_found = None
         thr = fleet_throughput(args)
-        for frac in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
+
+        def attained(frac: float) -> bool:
             rate = round(thr * frac, 2)
             run = run_one(contender_spec("sgl"), args, rate=rate, schedule=None,
                           duration_e=args.duration, tag=f"cal{frac}", sgl_py=sgl_py)  # fmt: skip
             a = analyse(run, k, args.duration)
             calibration.append({"rate": rate, "attainment": a["attainment"], "goodput_rps": a["goodput_rps"]})
             print(f"calibrate rate={rate} attainment={a['attainment']}", flush=True)
-            if a["attainment"] is not None and a["attainment"] >= 0.9:
-                lam_found = rate
-            else:
-                break
+            return a["attainment"] is not None and a["attainment"] >= 0.9
+
+        # up from half the estimate while the SLO holds; if it fails there, down until it holds
+        grid = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2)
+        if attained(grid[0]):
+            lam_found = round(thr * grid[0], 2)
+            for frac in grid[1:]:
+                if not attained(frac):
+                    break
+                lam_found = round(thr * frac, 2)
+        else:
+            for frac in (0.4, 0.3, 0.2, 0.1):
+                if attained(frac):
+                    lam_found = round(thr * frac, 2)
+                    break
         if lam_found is not None:
             lam = lam_found
+    if lam is None:
+        raise SystemExit("--calibrate found no rate within the SLO: give --lambda-star")
     print(
         f"λ* = {lam} req/s (engine time); fleet decode throughput ≈ {fleet_throughput(args):.2f}", flush=True
     )
@@ -1018,7 +1181,9 @@ def main() -> None:
             f"{spec['name']:>24} @ {x:>4}x goodput={row['goodput_rps']:.2f} att={row['attainment']} "
             f"cont_p99={row['by_class']['continuation']['ttft_p99_s']} "
             f"queue_peak={row['engine_peak_queue']:.0f} "
-            f"retract={row['retractions']:.0f} ({time.monotonic() - t0:.0f}s)",
+            f"waited={row['engine_queued_total']:.0f} kv={row['decode_kv_util_mean']} "
+            f"retract={row['retractions']:.0f} preempt={row['preemptions']:.0f} "
+            f"first_p99={row['by_class']['first_turn']['ttft_p99_s']} ({time.monotonic() - t0:.0f}s)",
             flush=True,
         )
         write_json(
@@ -1065,10 +1230,12 @@ def main() -> None:
         "sglang_router_version": SGLANG_ROUTER_VERSION if sgl_py else None,
         "config": {
             "profile": PROFILE,
+            "engines": args.engines,
             "time_scale": k,
             "prefill": PREFILLS,
             "decode": DECODES,
-            "decode_kv_tokens": DECODE_KV_TOKENS,
+            "decode_kv_tokens": DECODE_KV_TOKENS or PROFILES[PROFILE].default_max_total_tokens,
+            "context_length": CONTEXT_LENGTH or PROFILES[PROFILE].context_length,
             "max_input_tokens": MAX_INPUT,
             "slo_ttft_s": SLO_TTFT_S,
             "slo_tpot_s": SLO_TPOT_S,
@@ -1093,6 +1260,8 @@ def main() -> None:
     results["plots"] = plot(results, Path(args.out).stem)
     path = write_json(args.out, results)
     print(table(results))
+    print()
+    print(engine_table(results))
     print(f"wrote {path}")
 
 
