@@ -11,6 +11,7 @@ from pdcoord.tls import ServerTLS, server_tls_from_args
 from pdmaster.admission import AdmissionPolicy, RequestClass
 from pdmaster.admission_controller import policy_from_args
 from pdmaster.engine.health import BreakerPolicy
+from pdmaster.token_charge import TokenChargePolicy
 from pdmaster.validation import Limits
 
 __all__ = ["ConfigError", "MasterConfig", "slo_targets"]
@@ -26,6 +27,8 @@ SLO_FRACTIONS = {
     RequestClass.COLD: 0.9,
 }
 SLO_SPILL_PEERS = 3
+# What SGLang's PD decode server keeps free per active request (SGLANG_NUM_RESERVED_DECODE_TOKENS).
+SGLANG_RESERVED_DECODE_TOKENS = 512
 
 
 def slo_targets(slo: float) -> dict[RequestClass, float]:
@@ -77,6 +80,7 @@ class MasterConfig:
     prefill_selection: str = "earliest-first-token"
     engine_priority: str = "off"  # the class as the engines' request priority (pdmaster/engine_priority.py)
     ttft_slo: float = 0.0  # the SLO the flags above were derived from (0: none; shown in /admission)
+    token_charge: TokenChargePolicy = field(default_factory=TokenChargePolicy)
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     event_loop: str = "auto"
     # engine faults
@@ -137,8 +141,17 @@ class MasterConfig:
                 )
             engine_priority = engine_priority or "auto"
             spill_peers = SLO_SPILL_PEERS if spill_peers is None else spill_peers
+        protocol = args.engine_protocol
+        reserve = getattr(args, "kv_reserve_tokens", None)
+        token_charge = TokenChargePolicy(
+            chars_per_token=getattr(args, "chars_per_token", 3.0),
+            reserve_tokens=(SGLANG_RESERVED_DECODE_TOKENS if protocol == "sglang" else 0)
+            if reserve is None
+            else reserve,
+        )
         return cls(
             ttft_slo=slo,
+            token_charge=token_charge,
             master_id=args.master_id,
             etcd=EtcdSettings.from_args(args),
             http_host=args.http_host,

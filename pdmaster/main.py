@@ -179,6 +179,22 @@ def build_parser() -> EnvArgumentParser:
         "probable cache hit / cold, counting each request's prefill (--admission-target-includes-"
         "prefill), --engine-priority auto, and --spill-peers 3",
     )
+    g.add_argument(
+        "--kv-reserve-tokens",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help="KV tokens a decode engine keeps free per active sequence on top of its KV, charged to "
+        "every lease where the node has a KV pool (default: 512 with --engine-protocol sglang, "
+        "SGLang's SGLANG_NUM_RESERVED_DECODE_TOKENS; 0 with vllm)",
+    )
+    g.add_argument(
+        "--chars-per-token",
+        type=positive_float,
+        default=3.0,
+        help="characters per token of text prompts for their KV charge until the engines' own counts "
+        "are seen (low is safe: a prompt is charged more than it holds)",
+    )
     g.add_argument("--model", default=None, help="model name served; requests naming another get 404")
     g.add_argument(
         "--event-loop",

@@ -272,7 +272,7 @@ class MasterServer:
             spill=self.spill,
             engine_priority=class_priorities(cfg.engine_priority),
             engine_priority_auto=cfg.engine_priority == "auto",
-            charges=TokenCharge(),
+            charges=TokenCharge(cfg.token_charge),
             pool_factory=lambda: EnginePool(
                 connect_timeout_s=cfg.engine_connect_timeout,
                 first_byte_timeout_s=cfg.engine_first_byte_timeout,

@@ -3,7 +3,7 @@
 A request holds, at the end of its answer, its prompt's KV plus one token per generated token, per
 sequence. The master cannot know the answer's length; what it charges is
 
-    n x (prompt tokens + min(max_tokens, expected output))
+    n x (prompt tokens + min(max_tokens, expected output) + the engine's reserve)
 
 * **prompt tokens**: exact for token-id prompts; for text, the length divided by a characters-per-token
   ratio. The ratio starts at a conservative value (``--chars-per-token``; English text under Llama-3's
@@ -14,11 +14,16 @@ sequence. The master cannot know the answer's length; what it charges is
   ``clip_tokens`` as SGLang clips its estimate, and at most the context left): a worst case that never
   overruns the pool. Then a high quantile (``output_quantile``) of the lengths of recent answers,
   never more than the request's ``max_tokens``. Clients that ask for 4 096 tokens and get 300 would
-  otherwise idle most of the pool (SGLang itself reserves ``max_new_tokens x new_token_ratio``, with a
-  ratio decaying to 0.1, and retracts when it guessed wrong; vLLM reserves nothing beyond the prompt
-  and preempts). An answer longer than its charge still fits while others are shorter; where the
-  engine still runs out (it retracts or preempts), the registry charges less of that node's share
+  otherwise idle most of the pool (the engines themselves bet the same way: SGLang's decode server
+  keeps a fixed 512 tokens per request free and retracts when answers outgrow the pool, vLLM
+  allocates the prompt alone and preempts). An answer longer than its charge still fits while others
+  are shorter; where the engine still runs out (it retracts or preempts), the registry charges less of that node's share
   (``pdmaster.registry.token_feedback``).
+* **the engine's reserve**: what the engine keeps free for each active sequence beyond its KV.
+  SGLang's decode server preallocates a request only while, after its prompt, 512 tokens per active
+  request stay allocatable (``SGLANG_NUM_RESERVED_DECODE_TOKENS``, ``disaggregation/decode.py``); a
+  charge without them would let the masters fill what SGLang keeps back, and requests would wait in
+  its preallocation queue. vLLM keeps nothing back (0).
 
 Every call is O(1) amortised: the quantile is recomputed from a bounded window every few answers.
 """
@@ -41,12 +46,15 @@ class TokenChargePolicy:
     window: int = 512  # recent answers the quantile is taken over
     recompute_every: int = 16
     ratio_margin: float = 0.95  # the learned chars-per-token ratio is taken this much low
+    reserve_tokens: int = 0  # the engine's free KV per active sequence (SGLang's PD decode: 512)
 
     def __post_init__(self) -> None:
         if not (self.chars_per_token > 0 and math.isfinite(self.chars_per_token)):
             raise ValueError("chars_per_token must be a positive number")
         if self.clip_tokens < 1:
             raise ValueError("clip_tokens must be >= 1")
+        if self.reserve_tokens < 0:
+            raise ValueError("reserve_tokens must be >= 0")
         if not 0 < self.output_quantile <= 1:
             raise ValueError("output_quantile must be in (0, 1]")
 
@@ -97,7 +105,8 @@ class TokenCharge:
         context_left: int | None = None,
     ) -> int:
         """KV tokens a request of ``sequences`` sequences over a prompt of ``prompt_tokens`` holds."""
-        return sequences * (prompt_tokens + self.output_tokens(max_tokens, context_left))
+        output = self.output_tokens(max_tokens, context_left)
+        return sequences * (prompt_tokens + output + self.policy.reserve_tokens)
 
     # -- learning -------------------------------------------------------------------------------
     def observe_output(self, tokens: int) -> None:
@@ -128,4 +137,5 @@ class TokenCharge:
             "expected_output_tokens": self._expected,
             "output_samples": len(self._outputs),
             "output_quantile": self.policy.output_quantile,
+            "reserve_tokens": self.policy.reserve_tokens,
         }
