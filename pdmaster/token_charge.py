@@ -17,8 +17,8 @@ sequence. The master cannot know the answer's length; what it charges is
   otherwise idle most of the pool (the engines themselves bet the same way: SGLang's decode server
   keeps a fixed 512 tokens per request free and retracts when answers outgrow the pool, vLLM
   allocates the prompt alone and preempts). An answer longer than its charge still fits while others
-  are shorter; where the engine still runs out (it retracts or preempts), the registry charges less of that node's share
-  (``pdmaster.registry.token_feedback``).
+  are shorter; where the engine still runs out (it retracts or preempts), the registry charges less
+  of that node's share (``pdmaster.registry.token_feedback``).
 * **the engine's reserve**: what the engine keeps free for each active sequence beyond its KV.
   SGLang's decode server preallocates a request only while, after its prompt, 512 tokens per active
   request stay allocatable (``SGLANG_NUM_RESERVED_DECODE_TOKENS``, ``disaggregation/decode.py``); a

@@ -68,3 +68,10 @@ def test_request_tokens_counts_every_prompt_and_choice() -> None:
     assert request_tokens(chat, c) == (102, 2 * (102 + 10))
     batch = parse_completion(_j({"model": "m", "prompt": [[1, 2, 3], [4, 5]], "max_tokens": 5}), limits)
     assert request_tokens(batch, c) == (5, (3 + 5) + (2 + 5))
+
+
+def test_the_engines_reserve_is_charged_per_sequence() -> None:
+    c = TokenCharge(TokenChargePolicy(reserve_tokens=512))
+    assert c.charge(1000, 300, sequences=2) == 2 * (1000 + 300 + 512)
+    with pytest.raises(ValueError, match="reserve_tokens"):
+        TokenChargePolicy(reserve_tokens=-1)
