@@ -71,10 +71,3 @@ def test_the_charge_follows_the_engines_reserve() -> None:
     assert config("--engine-protocol", "vllm").token_charge.reserve_tokens == 0
     assert config("--kv-reserve-tokens", "64").token_charge.reserve_tokens == 64
     assert config("--chars-per-token", "4").token_charge.chars_per_token == 4.0
-
-
-def test_the_charge_follows_the_engines_reserve() -> None:
-    assert config().token_charge.reserve_tokens == 512  # SGLang's protocol by default
-    assert config("--engine-protocol", "vllm").token_charge.reserve_tokens == 0
-    assert config("--kv-reserve-tokens", "64").token_charge.reserve_tokens == 64
-    assert config("--chars-per-token", "4").token_charge.chars_per_token == 4.0
