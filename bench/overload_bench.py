@@ -95,7 +95,8 @@ ENGINE_CONFIGS = {
 # * long-prompt: only its requests with 10k-30k input tokens (3 649 of 12 031, mean input 17.2k,
 #   mean output 354), timestamps as in the trace, the rate of those;
 # * overask: clients send max_tokens 4096 while the answers are the trace's (mean 343): each answer
-#   ends early (pdsim_answer_tokens, finish_reason stop), the engines reserve for 4096.
+#   ends early (pdsim_answer_tokens, and <pdsim-answer-tokens=N> ending the prompt for routers that
+#   drop unknown fields; finish_reason stop), the engines reserve for 4096.
 WORKLOADS = ("conversation", "long-prompt", "overask", "synthetic")
 LONG_PROMPT_RANGE = (10_000, 30_000)
 OVERASK_MAX_TOKENS = 4096
@@ -382,7 +383,8 @@ def workload_args(args: argparse.Namespace) -> list[str]:
     if args.workload == "long-prompt":
         out += ["--trace-input-range", "{}-{}".format(*LONG_PROMPT_RANGE)]
     elif args.workload == "overask":
-        out += ["--ask-max-tokens", str(OVERASK_MAX_TOKENS)]
+        # the answer's length also ends the prompt: sglang-router rebuilds the body and drops the field
+        out += ["--ask-max-tokens", str(OVERASK_MAX_TOKENS), "--answer-in-prompt"]
     return out
 
 
@@ -1102,7 +1104,7 @@ def main() -> None:
     sgl_py: str | None = None
     notes: dict[str, Any] = {}
     bursts = [] if args.no_burst else [contender_spec(c) for c in args.burst_contenders.split(",") if c]
-    if any(s["kind"] == "sgl" for s in specs + extra + bursts):
+    if args.calibrate or any(s["kind"] == "sgl" for s in specs + extra + bursts):
         sgl_py, err = ensure_sglang_router()
         if sgl_py is None:
             notes["sglang_router_install_error"] = err

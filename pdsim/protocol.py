@@ -8,6 +8,7 @@ SGLang's ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` and vLLM's
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -23,6 +24,21 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "fun
 # and log them (``OpenAIBaseModel``); SGLang's OpenAI request models are pydantic models, which
 # ignore them by default. Routers that append to the client's JSON text forward it.
 ANSWER_FIELD = "pdsim_answer_tokens"
+# The same at the end of the prompt text (the last message's content), for routers that rebuild
+# the body and pass no header on either: ``<pdsim-answer-tokens=N>``. To an engine it is text.
+ANSWER_MARKER = re.compile(r"<pdsim-answer-tokens=([1-9][0-9]{0,8})>")
+
+
+def answer_in_prompt(prompt: str) -> int | None:
+    """The answer length a prompt's text ends with (``<pdsim-answer-tokens=N>`` in its last 96
+    characters: a chat prompt's rendering ends with the assistant's turn), else None."""
+    found = ANSWER_MARKER.findall(prompt, max(0, len(prompt) - 96))
+    return int(found[-1]) if found else None
+
+
+# The same as a header, for routers that rebuild the request body from their own model and drop
+# fields they do not know (sglang-router) but pass headers on.
+ANSWER_HEADER = "X-Pdsim-Answer-Tokens"
 # What an answer that stops at its end "matched" in SGLang's meta_info (Llama 3's <|eot_id|>).
 EOS_TOKEN_ID = 128009
 
@@ -427,6 +443,8 @@ def parse_request(
     answer = _opt_int(body, ANSWER_FIELD)
     if answer is not None and answer < 1:
         raise BadRequest(f"{ANSWER_FIELD} must be at least 1, got {answer}", param=ANSWER_FIELD)
+    if answer is None and isinstance(prompts[0], str):
+        answer = answer_in_prompt(prompts[0])
     return GenRequest(
         api=api,
         prompt=prompts[0],

@@ -7,7 +7,7 @@ from collections import deque
 from typing import Any
 
 # Headers a router's behaviour shows in; nothing that could carry a credential.
-HEADERS_OF_INTEREST = ("X-Request-Id", "Content-Type")
+HEADERS_OF_INTEREST = ("X-Request-Id", "Content-Type", "X-Pdsim-Answer-Tokens")
 MAX_RAW_CHARS = 4096
 
 

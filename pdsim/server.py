@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -25,6 +26,7 @@ from pdsim.faults import ErrorDraw, FaultError, Faults, updated
 from pdsim.kvstore import KVStore
 from pdsim.profiles import VLLM_BLOCK_SIZE, Profile, transfer_time_s
 from pdsim.protocol import (
+    ANSWER_HEADER,
     SSE_DONE,
     Api,
     BadRequest,
@@ -484,6 +486,13 @@ class Engine:
                 flavor=self.cfg.flavor,
                 sample_rooms=self.cfg.sglang_sample_rooms,
             )
+            header = request.headers.get(ANSWER_HEADER)
+            if header is not None and req.answer_tokens is None:
+                # The same as the field, for routers that rebuild the body but pass headers on
+                # (sglang-router drops unknown fields).
+                if not header.strip().isdigit() or int(header) < 1:
+                    raise BadRequest(f"{ANSWER_HEADER} must be an integer >= 1", param=ANSWER_HEADER)
+                req = dataclasses.replace(req, answer_tokens=int(header))
             if self.cfg.role == "decode" and req.choices > self.cfg.running_max_req_size:
                 what = f"n={req.n}" if req.choices == req.n else f"{req.choices} sequences (prompts x n)"
                 raise BadRequest(

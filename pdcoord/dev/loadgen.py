@@ -63,6 +63,18 @@ from pdcoord.dev.workload import (
 HANG = -1  # status of a request that did not end within the client's timeout
 # pdsim's top-level field for the answer the model would give (pdsim/protocol.py: ANSWER_FIELD)
 ANSWER_FIELD = "pdsim_answer_tokens"
+
+
+def with_answer_marker(messages: list[dict[str, Any]], answer: int) -> list[dict[str, Any]]:
+    """The messages with the last one's content ending in pdsim's answer marker, which replaces as
+    many characters (the prompt keeps its length in tokens)."""
+    marker = f"<pdsim-answer-tokens={answer}>"
+    last = dict(messages[-1])
+    content = str(last.get("content", ""))
+    last["content"] = (content[: -len(marker)] if len(content) > len(marker) else content) + marker
+    return [*messages[:-1], last]
+
+
 CONN_FAILED = 0  # status of a request whose connection failed or broke
 
 SHARED_PREFIXES = [
@@ -470,6 +482,9 @@ class OpenLoopConfig:
     # Ask for the usage chunk: the output token count then comes from the server, not from counting
     # content chunks (a real engine may put several tokens in one chunk).
     include_usage: bool = True
+    # Also write an answer's length at the end of the prompt (``<pdsim-answer-tokens=N>``, replacing
+    # as many characters): for routers that drop the field (sglang-router rebuilds the body).
+    answer_in_prompt: bool = False
 
 
 @dataclass
@@ -610,6 +625,8 @@ class OpenLoop:
             body["stream_options"] = {"include_usage": True}
         if turn.answer_tokens is not None:
             body[ANSWER_FIELD] = turn.answer_tokens
+            if self.cfg.answer_in_prompt:
+                body["messages"] = with_answer_marker(body["messages"], turn.answer_tokens)
         data = json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if turn.session_id is not None:
@@ -958,6 +975,11 @@ def open_parser() -> argparse.ArgumentParser:
         default=None,
         help="send this max_tokens; the trace's output length becomes the answer's (pdsim_answer_tokens)",
     )
+    t.add_argument(
+        "--answer-in-prompt",
+        action="store_true",
+        help="also end the prompt with <pdsim-answer-tokens=N> (routers that drop unknown fields)",
+    )
     s = p.add_argument_group("synthetic")
     d = SyntheticConfig()
     s.add_argument("--turns", type=_int_range, default=d.turns, help="turns per session, LO-HI (2-6)")
@@ -1005,6 +1027,7 @@ async def open_bench(args: argparse.Namespace) -> dict[str, Any]:
     cfg = OpenLoopConfig(duration_s=args.duration, request_timeout_s=args.request_timeout,
                          retry_refused=args.retry_refused, next_upstream=args.next_upstream,
                          time_scale=args.time_scale, model=args.model,
+                         answer_in_prompt=args.answer_in_prompt,
                          connection_limit=args.connections)  # fmt: skip
     load = OpenLoop(parse_targets(args.targets, args.weights), arrivals, cfg, args.out, seed=args.seed)
     print("START", flush=True)

@@ -268,6 +268,17 @@ async def test_model_answer_ends_early_with_stop_and_engine_defaults(spawn: Laun
         body["pdsim_answer_tokens"] = 0
         async with s.post(d.url + "/generate", json=body) as resp:
             assert resp.status == 400
+        # The same by header, or at the end of the prompt, for routers that drop unknown fields.
+        plain = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 30}
+        async with s.post(
+            d.url + "/v1/chat/completions", json=plain, headers={"X-Pdsim-Answer-Tokens": "4"}
+        ) as resp:
+            out = await resp.json()
+        assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 4
+        marked = {"messages": [{"role": "user", "content": "hi <pdsim-answer-tokens=5>"}], "max_tokens": 30}
+        async with s.post(v.url + "/v1/chat/completions", json=marked) as resp:
+            out = await resp.json()
+        assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 5
         async with s.get(v.url + "/metrics") as resp:
             text = await resp.text()
         (line,) = [ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info{")]

@@ -548,8 +548,22 @@ def test_overasking_answers_end_early_at_pdsim(pdsim_decode: str, tmp_path: Path
     rows = [(i * 100, 300, 4 + i, [0, 50 + i]) for i in range(3)]
     trace = write_trace(tmp_path / "t.jsonl", rows)
     out = tmp_path / "r.jsonl"
-    main(["open", "--targets", pdsim_decode, "--trace", str(trace), "--speed", "1", "--duration", "1",
-          "--out", str(out), "--request-timeout", "20", "--ask-max-tokens", "40"])  # fmt: skip
-    records = [json.loads(x) for x in out.read_text().splitlines()]
-    ok = [r for r in records if r["status"] == 200 and not r["error_code"]]
-    assert ok and all(r["max_tokens"] == 40 and r["output_tokens"] == r["answer_tokens"] < 40 for r in ok)
+    for extra in ([], ["--answer-in-prompt"]):
+        main(["open", "--targets", pdsim_decode, "--trace", str(trace), "--speed", "1", "--duration", "1",
+              "--out", str(out), "--request-timeout", "20", "--ask-max-tokens", "40", *extra])  # fmt: skip
+        records = [json.loads(x) for x in out.read_text().splitlines()]
+        ok = [r for r in records if r["status"] == 200 and not r["error_code"]]
+        assert ok and all(r["max_tokens"] == 40 and r["output_tokens"] == r["answer_tokens"] < 40 for r in ok)
+
+
+def test_the_answer_marker_replaces_the_prompts_end() -> None:
+    from pdcoord.dev.loadgen import with_answer_marker
+    from pdsim.protocol import answer_in_prompt
+
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "x" * 100}]
+    out = with_answer_marker(msgs, 321)
+    assert out[0] == msgs[0] and msgs[1]["content"] == "x" * 100  # a copy
+    assert len(out[1]["content"]) == 100 and out[1]["content"].endswith("<pdsim-answer-tokens=321>")
+    assert answer_in_prompt("<|user|>" + out[1]["content"] + "\n<|assistant|>") == 321
+    assert answer_in_prompt("x" * 200) is None
+    assert answer_in_prompt("<pdsim-answer-tokens=5>" + "x" * 200) is None  # only at the end
