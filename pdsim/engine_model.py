@@ -12,7 +12,9 @@ Life of a request on a decode server:
 
 * local (no PD): waiting → running (its prompt is prefilled inside the decode steps, in chunks of at
   most ``max_prefill_tokens`` per step, the first token coming with the last chunk) → done;
-* PD (KV from a prefill server): prealloc (waits until its prompt KV can be allocated) → transfer
+* PD (KV from a prefill server): prealloc (waits until its prompt KV can be allocated: SGLang keeps
+  ``num_reserved_decode_tokens`` free per active request and room for the request's own clipped
+  ``max_new_tokens`` beyond what the running requests could give back) → transfer
   (the adapter attaches to the prefill's room and moves the KV, then calls :meth:`transferred`) →
   ready → running → done.
 
@@ -31,6 +33,9 @@ The two policies follow the engines' schedulers (figures in ``shared/research/ov
 * ``vllm``: admission needs only the request's own tokens; when a step cannot allocate, the newest
   running request is *preempted* by recompute and put at the front of the waiting queue, until the
   step fits (``vllm/v1/core/sched/scheduler.py``).
+
+A request may end before ``max_new_tokens`` (``answer_tokens``, as at an EOS); no reservation
+reads it: the engines know only ``max_new_tokens``.
 
 Priority scheduling (``priority_scheduling``; SGLang ``--enable-priority-scheduling``, vLLM
 ``--scheduling-policy priority``): each request carries an integer ``priority``; the waiting queue is
