@@ -185,6 +185,7 @@ class MasterLink:
     last_ack: pb.Ack | None = None
     sent_epoch: int = -1
     sent_share: int = -1  # the share in the last Register/Report sent on this stream
+    sent_tokens: int | None = None  # and its token share
     # When the last Report's writing began, and its seq: an Ack that echoes that seq answers a
     # Report sent no earlier (strict handover brackets engine samples with such Acks).
     reported_at: float = 0.0
@@ -194,6 +195,11 @@ class MasterLink:
     registered_kv: int | None = None  # Register.kv_tokens of the current stream (None: absent)
     acked_at: float = 0.0  # when the last Ack came in
     gone_check: asyncio.Task[None] | None = None  # tries the address after the stream broke
+
+
+def _opt(ack: pb.Ack | None, name: str) -> int | None:
+    """An optional Ack field, None when absent."""
+    return getattr(ack, name) if ack is not None and ack.HasField(name) else None
 
 
 def _retrieved(task: asyncio.Task[None]) -> None:
@@ -213,6 +219,7 @@ class NodeAgent:
             policy=cfg.shares if cfg.role == "decode" else dataclasses.replace(cfg.shares, handover="fast"),
             probe=bool(cfg.load_urls),
             now=time.monotonic(),
+            kv_tokens=cfg.kv_tokens if cfg.role == "decode" else None,
         )
         self.links: dict[str, MasterLink] = {}
         self.registration: Registration | None = None
@@ -222,7 +229,9 @@ class NodeAgent:
         self.load: EngineLoad = EngineLoad()
         # The KV pool in tokens, where it came from ("flag", "engine"; "" while not known), and
         # whether the engine answered that it publishes none (then capacity is slots only).
-        self.kv_tokens = cfg.kv_tokens if cfg.kv_tokens else None
+        # Decode nodes only: a prefill share bounds no lease, and masters place on decode tokens.
+        decode = cfg.role == "decode"
+        self.kv_tokens = cfg.kv_tokens if cfg.kv_tokens and decode else None
         self.kv_source = ("engine" if cfg.discover_kv_tokens else "flag") if self.kv_tokens else ""
         self._pool_absent = False
         self._value_stale = False  # the node's key says something outdated (its pool)
@@ -433,7 +442,11 @@ class NodeAgent:
     def _grant(self, mid: str) -> pb.Grant | None:
         if not self.cfg.send_grant:
             return None
-        return pb.Grant(capacity_share=self.slicer.share_for(mid), capacity_epoch=self.slicer.epoch)
+        grant = pb.Grant(capacity_share=self.slicer.share_for(mid), capacity_epoch=self.slicer.epoch)
+        tokens = self.slicer.token_share_for(mid)
+        if tokens is not None:
+            grant.token_share = tokens
+        return grant
 
     def _register_msg(self, mid: str, stream_id: int = 0) -> pb.AgentMessage:
         reg = pb.Register(
@@ -496,6 +509,7 @@ class NodeAgent:
                 call = pb_grpc.NodeCoordinationStub(channel).Connect()
                 link.sent_epoch = self.slicer.epoch
                 link.sent_share = self.slicer.share_for(link.master_id)
+                link.sent_tokens = self.slicer.token_share_for(link.master_id)
                 link.stream_id = self._next_stream_id()
                 link.registered_kv = self.kv_tokens
                 self.slicer.stream_opening(link.master_id, link.stream_id)
@@ -535,6 +549,7 @@ class NodeAgent:
                     link.send_now.clear()
                     link.sent_epoch = self.slicer.epoch
                     link.sent_share = self.slicer.share_for(link.master_id)
+                    link.sent_tokens = self.slicer.token_share_for(link.master_id)
                     link.reported_at = time.monotonic()
                     msg = self._report_msg(link.master_id)
                     link.report_seq = msg.report.seq
@@ -644,6 +659,9 @@ class NodeAgent:
             kept=ack.kept_slots if ack.HasField("kept_slots") else None,
             answers_sent_at=answers,
             floor=ack.floor_slots if ack.HasField("floor_slots") else None,
+            active_tokens=ack.active_tokens if ack.HasField("active_tokens") else None,
+            wanted_tokens=ack.wanted_tokens if ack.HasField("wanted_tokens") else None,
+            kept_tokens=ack.kept_tokens if ack.HasField("kept_tokens") else None,
         )
 
     def _poll_connected(self) -> list[MasterLink]:
@@ -672,8 +690,13 @@ class NodeAgent:
 
     # -- control loop -------------------------------------------------------------------------
     @property
+    def _follows_pool(self) -> bool:
+        """The engine's word on its pool counts: a decode node without --kv-tokens."""
+        return self.cfg.role == "decode" and self.cfg.discover_kv_tokens
+
+    @property
     def _pool_wanted(self) -> bool:
-        return self.kv_tokens is None and self.cfg.discover_kv_tokens
+        return self.kv_tokens is None and self._follows_pool
 
     def _changed(self) -> None:
         """The shares changed: report at once and persist the epoch.
@@ -687,7 +710,12 @@ class NodeAgent:
         everyone = members != self._members or not self.cfg.send_grant
         self._members = members
         for link in self.links.values():
-            if everyone or link.sent_share != self.slicer.share_for(link.master_id):
+            mid = link.master_id
+            if (
+                everyone
+                or link.sent_share != self.slicer.share_for(mid)
+                or link.sent_tokens != self.slicer.token_share_for(mid)
+            ):
                 link.send_now.set()
         self._persist_wake.set()
         if self.slicer.waits_for_engine:
@@ -754,6 +782,9 @@ class NodeAgent:
         if ack is None:
             return True
         holds_more = ack.active_slots > self.slicer.share_for(link.master_id)
+        tokens = self.slicer.token_share_for(link.master_id)
+        if tokens is not None and ack.HasField("active_tokens"):
+            holds_more = holds_more or ack.active_tokens > tokens
         return ack.applied_epoch < link.sent_epoch or holds_more
 
     async def _control_loop(self) -> None:
@@ -802,7 +833,7 @@ class NodeAgent:
             sample = await probe.sample()
             changed = (sample.running, sample.waiting) != (self.load.running, self.load.waiting)
             self.load = sample
-            if isinstance(sample, EngineSample) and sample.kv_tokens and self.cfg.discover_kv_tokens:
+            if isinstance(sample, EngineSample) and sample.kv_tokens and self._follows_pool:
                 self.set_kv_tokens(sample.kv_tokens, "engine")
             # The engine's own count is what tells the handover that a departed master's leases ended:
             # every request it holds, those still waiting for their KV included (the masters count a
@@ -867,6 +898,7 @@ class NodeAgent:
             "capacity_unit": self.capacity_unit,
             "epoch": self.slicer.epoch,
             "shares": dict(self.slicer.shares),
+            "token_shares": dict(self.slicer.token_shares) if self.kv_tokens else None,
             "handover": self.slicer.snapshot(),
             # how long a departed master's slots wait for engine samples (strict handover)
             "peer_detect_s": self.slicer.peer_detect_s,
@@ -880,6 +912,10 @@ class NodeAgent:
                     "active_slots": link.last_ack.active_slots if link.last_ack else 0,
                     "wanted_slots": link.last_ack.wanted_slots if link.last_ack else 0,
                     "applied_epoch": link.last_ack.applied_epoch if link.last_ack else 0,
+                    # null: the master counts no tokens (an earlier release), or has not acked yet
+                    "active_tokens": _opt(link.last_ack, "active_tokens"),
+                    "wanted_tokens": _opt(link.last_ack, "wanted_tokens"),
+                    "token_share": self.slicer.token_share_for(mid),
                 }
                 for mid, link in sorted(self.links.items())
             },
@@ -896,7 +932,7 @@ class NodeAgent:
     def capacity_unit(self) -> str:
         if self.kv_tokens:
             return "slots and kv tokens"
-        if self._pool_absent or not self.cfg.discover_kv_tokens:
+        if self._pool_absent or not self._follows_pool:
             return "slots only"
         return "slots (kv pool not known yet)"
 
@@ -915,6 +951,7 @@ class NodeAgent:
         )
         self.kv_tokens, self.kv_source = pool, source
         self._value_stale = True
+        self.slicer.set_kv_tokens(pool, time.monotonic(), time.time_ns())
         self._changed()
         return True
 

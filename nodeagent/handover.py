@@ -170,6 +170,8 @@ class Handover:
         self.sample: Sample | None = None  # the latest; Acks that bracket it may release more
         self._pools: dict[int, _Pool] = {}
         self._pool_ids = 0
+        # The pool each orphan was last cut into, kept after the orphan is gone (see :meth:`covers`).
+        self._pool_of: dict[str, int] = {}
         if strict:
             # Masters still attached to the previous incarnation keep their shares until they notice
             # its streams are gone, which their keep-alive does within ``startup_wait_s``.
@@ -365,6 +367,13 @@ class Handover:
             self._pools[self._pool_ids] = _Pool(since, not_before, all(o.gone for o in members))
             for o in members:
                 o.pool = self._pool_ids
+            # What is left of an earlier pool now goes on in this one: so do those it covered.
+            merged = {self._pool_of[m] for m in mids if m in self._pool_of}
+            for m, p in self._pool_of.items():
+                if p in merged:
+                    self._pool_of[m] = self._pool_ids
+            for m in mids:
+                self._pool_of[m] = self._pool_ids
         for mid in mids:
             if total <= cap:
                 break
@@ -388,6 +397,20 @@ class Handover:
             kept.slots += slots
         else:
             self.orphans[key] = Orphan(slots, p.since, 0, p.not_before, gone=p.gone, pool=o.pool)
+
+    def covers(self, name: str) -> bool:
+        """Whether what is reserved may still cover leases of ``name`` (a master, or STARTUP): its own
+        orphan, or, once a sample cut it together with others, any orphan left of that pool (what is
+        left of one may cover another's leases). False: none of its leases can still run here."""
+        if name in self.orphans:
+            return True
+        pool = self._pool_of.get(name)
+        if pool is None:
+            return False
+        if any(o.pool == pool for o in self.orphans.values()):
+            return True
+        del self._pool_of[name]
+        return False
 
     def waits_for_bracket(self, reachable: Iterable[str]) -> bool:
         """Some reserved slots of a master that may be alive wait for a sample that the live

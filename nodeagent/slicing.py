@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from nodeagent.handover import Handover
+from nodeagent.handover import STARTUP, Handover
 from pdcoord.keepalive import UNADVERTISED_DETECT_S
 
 
@@ -241,6 +241,9 @@ class Slicer:
     probe: bool = True
     now: float = 0.0
     epoch: int = 0
+    # The node's KV pool in tokens (DESIGN §13); None: the engine publishes none, the node's capacity
+    # is its slots alone and no grant carries a token share.
+    kv_tokens: int | None = None
     views: dict[str, MasterView] = field(default_factory=dict)
     _members: tuple[str, ...] = ()
     _shares: dict[str, int] = field(default_factory=dict)
@@ -257,6 +260,18 @@ class Slicer:
     # wanting at least its even share).
     _joined: dict[str, float] = field(default_factory=dict)
     _ho: Handover = field(init=False)
+    # Tokens: targets, grants and their handover (None without a pool). Token grants go out under the
+    # same epoch as the slot grants.
+    _token_targets: dict[str, int] = field(default_factory=dict)
+    _token_shares: dict[str, int] = field(default_factory=dict)
+    _tho: Handover | None = field(init=False, default=None)
+    # The token reservation of the agent's previous incarnation (or, for a pool found later, of the
+    # leases that ran before) holds while any of these slot reservations may still cover leases.
+    _token_cover: set[str] = field(default_factory=set)
+    # Per master, whether its last Ack carried active_tokens (False: an earlier release, which places
+    # on slots alone and gets no token share), and its token fields as last acked.
+    _token_aware: dict[str, bool] = field(default_factory=dict)
+    _token_acks: dict[str, tuple[int | None, int | None, int | None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._ho = Handover(
@@ -267,6 +282,33 @@ class Slicer:
             now=self.now,
             startup_wait_s=self.peer_detect_s,
         )
+        if self.kv_tokens:
+            self._start_tokens(self.kv_tokens, self.now)
+        else:
+            self.kv_tokens = None
+
+    def _start_tokens(self, pool: int, now: float) -> None:
+        """A token handover for a pool that was not known before (at start, or found later).
+
+        Its whole pool is reserved at first, under STARTUP, for as long as the slot reservations there
+        are now (the previous incarnation's, or those of departed masters) may cover leases: the
+        token charges of those leases are not known, but once no slot of them can be running, none of
+        their tokens is. The live masters' token use comes with their Acks (the last ones are
+        replayed here)."""
+        self._tho = Handover(
+            pool,
+            strict=self.policy.handover == "strict",
+            orphan_timeout_s=self.policy.orphan_timeout,
+            probe=True,  # never sampled: its reservations go with the slot ones (_sync_token_orphans)
+            now=now,
+        )
+        self._token_cover = set(self._ho.orphans)
+        for m in self._members:
+            self._tho.include(m)
+            h = self._ho.holders.get(m)
+            if h is not None and h.acked:
+                self._token_ack(m, h.applied_epoch, h.active, h.wanted, False, now, -math.inf, h.floor)
+        self._sync_token_orphans()
 
     # -- inputs -------------------------------------------------------------------------------
     def allow_peer_detect(self, detect_s: float) -> bool:
@@ -437,12 +479,17 @@ class Slicer:
         kept: int | None = None,
         answers_sent_at: float = -math.inf,
         floor: int | None = None,
+        active_tokens: int | None = None,
+        wanted_tokens: int | None = None,
+        kept_tokens: int | None = None,
     ) -> bool:
         """A master's Ack: what it holds, runs and wants here. True when the grants changed.
 
         ``kept``: its kept_slots (None when the Ack has none); ``answers_sent_at``: when the Report
         it answers was sent. With them the latest engine sample is weighed again. ``floor``: its
-        floor_slots (None: absent, ``--share-floor`` applies).
+        floor_slots (None: absent, ``--share-floor`` applies). ``active_tokens``, ``wanted_tokens``,
+        ``kept_tokens``: their token counterparts; a master whose Acks carry no active_tokens (an
+        earlier release) gets no token share, and its slots stand in for its token use.
 
         A master that drains with an empty queue leaves the split at once: it takes no new work, so
         its share can move to the others as its last leases end (reported in its next Acks).
@@ -453,6 +500,19 @@ class Slicer:
             self._draining.discard(master_id)
         h = self._ho.holders.get(master_id)
         before = (h.demand, h.floor) if h is not None else None
+        aware = active_tokens is not None
+        # Whether this master gets a token share changes: never under the same epoch (a master
+        # refuses an equal epoch with another share), so the grants go out anew.
+        flipped = self._tho is not None and self._token_aware.get(master_id, True) != aware
+        self._token_aware[master_id] = aware
+        self._token_acks[master_id] = (
+            (active_tokens, wanted_tokens, kept_tokens) if active_tokens is not None else (None, None, None)
+        )
+        th = self._tho.holders.get(master_id) if self._tho is not None else None
+        token_before = th.demand if th is not None else None
+        self._token_ack(master_id, applied_epoch, active, wanted, draining, now, answers_sent_at, floor)
+        if th is not None and th.demand != token_before:
+            self._rebalance_due = True
         self._ho.ack(
             master_id,
             applied_epoch,
@@ -468,7 +528,7 @@ class Slicer:
             self._rebalance_due = True
         if self._ho.orphans:  # the latest sample, weighed with this Ack
             self._ho.reconsider(self._reachable())
-        return self._recompute(now, time_ns)
+        return self._recompute(now, time_ns, force=flipped)
 
     def on_probe(self, running: int | None, taken_at: float, now: float, time_ns: int) -> bool:
         """The engine's running count from a sample started at ``taken_at`` (None: probe failed)."""
@@ -481,6 +541,78 @@ class Slicer:
         self.capacity = capacity
         self._ho.capacity = capacity
         return self._recompute(now, time_ns, force=True)
+
+    def set_kv_tokens(self, pool: int | None, now: float, time_ns: int) -> bool:
+        """The node's KV pool in tokens changed (None or 0: it publishes none). A smaller pool is a
+        capacity shrink: token grants shrink at once and grow back only as leases end. True when the
+        grants changed (the epoch advanced)."""
+        pool = pool or None
+        if pool == self.kv_tokens:
+            return False
+        before = self.kv_tokens
+        self.kv_tokens = pool
+        if pool is None:
+            self._tho, self._token_targets, self._token_shares = None, {}, {}
+        elif before is None:
+            self._start_tokens(pool, now)
+        else:
+            assert self._tho is not None
+            self._tho.capacity = pool
+        return self._recompute(now, time_ns, force=True)
+
+    def _token_scale(self) -> float:
+        """Tokens per slot on this node: what stands for the token use of a master that counts none."""
+        return (self.kv_tokens or 0) / max(1, self.capacity)
+
+    def _token_ack(
+        self,
+        master_id: str,
+        applied_epoch: int,
+        active: int,
+        wanted: int,
+        draining: bool,
+        now: float,
+        answers_sent_at: float,
+        floor: int | None,
+    ) -> None:
+        """Feed the token handover a master's Ack. A master that counts tokens reports them; for one
+        that does not (an earlier release) its slots stand in, scaled by pool / slots. Its floor: its
+        slot floor scaled the same way."""
+        tho = self._tho
+        if tho is None:
+            return
+        scale = self._token_scale()
+        t_active, t_wanted, t_kept = self._token_acks.get(master_id, (None, None, None))
+        if t_active is None:
+            t_active, t_wanted, t_kept = math.ceil(active * scale), math.ceil(wanted * scale), None
+        t_floor = None if floor is None else math.floor(floor * scale)
+        tho.ack(
+            master_id,
+            applied_epoch,
+            t_active,
+            t_wanted or 0,
+            draining,
+            kept=t_kept,
+            now=now,
+            answers_sent_at=answers_sent_at,
+            floor=t_floor,
+        )
+
+    def _sync_token_orphans(self) -> None:
+        """Token reservations of departed masters go with their slot reservations: a lease holds a
+        slot, so once none of a master's slots can be running here (its slot reservation is gone, and
+        no pool it was cut into is left), none of its tokens can be either. The engine's KV usage
+        cannot free them earlier: a lease is charged what the engine will reserve for it (its prompt
+        and its output budget), more than it uses until its last token."""
+        tho = self._tho
+        if tho is None:
+            return
+        for name in list(tho.orphans):
+            if name == STARTUP:
+                if not any(self._ho.covers(c) for c in self._token_cover):
+                    del tho.orphans[name]
+            elif not self._ho.covers(name):
+                del tho.orphans[name]
 
     def tick(self, now: float, time_ns: int) -> bool:
         """Apply timers (grace, rebalance, orphan timeout); True when the grants changed."""
@@ -513,6 +645,8 @@ class Slicer:
         """The earliest timer after ``now`` of any kind (grace, rebalance, orphan timeout); those
         at or before ``now`` were applied by the last :meth:`tick` at ``now``."""
         times = [self.next_grace_deadline(now), self._ho.next_deadline(), self._next_rebalance_at(now)]
+        if self._tho is not None:
+            times.append(self._tho.next_deadline())
         return min((t for t in times if t is not None and t > now), default=None)
 
     def _next_rebalance_at(self, now: float) -> float | None:
@@ -549,9 +683,21 @@ class Slicer:
         return self._targets
 
     @property
+    def token_targets(self) -> Mapping[str, int]:
+        return self._token_targets
+
+    @property
+    def token_shares(self) -> Mapping[str, int]:
+        """The token grants (empty without a pool), including the reservations of masters that get
+        none on the wire (an earlier release: their slots stand in)."""
+        return self._token_shares
+
+    @property
     def handover_pending(self) -> bool:
-        """Some master waits for slots others still hold: Acks are worth asking for often."""
-        return self._ho.pending(self._targets, self._shares)
+        """Some master waits for slots (or tokens) others still hold: Acks are worth asking for often."""
+        if self._ho.pending(self._targets, self._shares):
+            return True
+        return self._tho is not None and self._tho.pending(self._token_targets, self._token_shares)
 
     @property
     def waits_for_engine(self) -> bool:
@@ -572,6 +718,14 @@ class Slicer:
     def share_for(self, master_id: str) -> int:
         return self._shares.get(master_id, 0)
 
+    def token_share_for(self, master_id: str) -> int | None:
+        """The tokens this master may charge here under the current epoch; None when the node has no
+        pool or the master's Acks carry no token counts (an earlier release: the grant then has no
+        token share, as before)."""
+        if self._tho is None or self._token_aware.get(master_id) is False:
+            return None
+        return self._token_shares.get(master_id, 0)
+
     def snapshot(self) -> dict[str, object]:
         out: dict[str, object] = {
             "handover": self.policy.handover,
@@ -579,8 +733,20 @@ class Slicer:
             "members": list(self._members),
             "targets": dict(self._targets),
             "grants": dict(self._shares),
+            "kv_tokens": self.kv_tokens,
         }
         out.update(self._ho.snapshot())
+        if self._tho is not None:
+            snap = self._tho.snapshot()
+            out["tokens"] = {
+                "targets": dict(self._token_targets),
+                "grants": dict(self._token_shares),
+                "free": snap["free"],
+                "orphans": snap["orphans"],
+                "bounds": snap["bounds"],
+                # masters whose Acks carry no token counts (their slots stand in; no token share sent)
+                "slots_only_masters": sorted(m for m in self._members if self._token_aware.get(m) is False),
+            }
         return out
 
     # -- core ---------------------------------------------------------------------------------
@@ -595,24 +761,32 @@ class Slicer:
         """
         return max(JOIN_PRIOR_MIN_S, 3 * self.policy.rebalance_interval)
 
-    def _ideal(self, members: tuple[str, ...], now: float) -> dict[str, int]:
+    def _dims(self) -> list[_Dim]:
+        """The node's capacities: its slots, and its KV tokens when it has a pool."""
+        out = [_Dim(self.capacity, self._ho, self._targets, 1.0)]
+        if self._tho is not None and self.kv_tokens:
+            out.append(_Dim(self.kv_tokens, self._tho, self._token_targets, self._token_scale()))
+        return out
+
+    def _ideal(self, members: tuple[str, ...], now: float, dim: _Dim | None = None) -> dict[str, int]:
         """The demand split now. A master in its join window wants at least its even share; the
         others keep following what they report (an idle one still gives its slots to a busy one
         meanwhile), and while a window is open the slots nobody asks for top the others up towards
         their even shares, so an idle node splits exactly evenly (see :func:`demand_shares`). So do
         they on a node where no master asks for anything: the floors (one slot on each master's anchor
-        node) would otherwise tilt an idle node's split by a slot or two."""
-        hs = self._ho.holders
+        node) would otherwise tilt an idle node's split by a slot or two. Tokens split the same way by
+        token demand (active + wanted tokens), with each master's slot floor scaled by pool / slots."""
+        dim = dim or self._dims()[0]
+        hs = dim.ho.holders
         demands = {m: (hs[m].demand if m in hs else 0) for m in members}
         new = [m for m in members if now < self._joined.get(m, now) + self.join_prior_s]
         if new:
-            even = slice_shares(self.capacity, members, self.node_id)
+            even = slice_shares(dim.capacity, members, self.node_id)
             for m in new:
                 demands[m] = max(demands[m], even[m])
         idle = not any(demands.values())
-        return demand_shares(
-            self.capacity, demands, self.node_id, self._floors(members), top_up=bool(new) or idle
-        )
+        floors = {m: math.floor(f * dim.scale) for m, f in self._floors(members).items()}
+        return demand_shares(dim.capacity, demands, self.node_id, floors, top_up=bool(new) or idle)
 
     def _floors(self, members: tuple[str, ...]) -> dict[str, int]:
         """Each member's floor: what its Acks ask to keep here (floor_slots), else ``--share-floor``."""
@@ -623,17 +797,18 @@ class Slicer:
             out[m] = self.policy.floor if asked is None else asked
         return out
 
-    def _must_move(self, members: tuple[str, ...], ideal: Mapping[str, int]) -> bool:
+    def _must_move(self, members: tuple[str, ...], ideal: Mapping[str, int], dim: _Dim | None = None) -> bool:
         """Whether the split moves now however small the move (the hysteresis only keeps a wobble of
         demand from moving slots back and forth): a master with nothing here should have something,
         or slots that a master holds but does not use (nothing of it queued, fewer leases running
         than its target) should go to a master whose requests wait for them. On small engines the
         hysteresis is a large part of a node, and such slots would stay idle until the demand moved
         further. And a node where nobody asks for anything goes back to its even split."""
-        t = self._targets
+        dim = dim or self._dims()[0]
+        t = dim.targets
         if any(t.get(m, 0) == 0 < ideal[m] for m in members):
             return True
-        hs = self._ho.holders
+        hs = dim.ho.holders
         if all(hs[m].demand == 0 for m in members if m in hs) and any(
             t.get(m, 0) != ideal[m] for m in members
         ):
@@ -651,29 +826,41 @@ class Slicer:
         return waiting and idle
 
     def _compute_targets(self, members: tuple[str, ...], now: float, reset: bool) -> dict[str, int]:
+        """The slot targets (the token targets, when the node has a pool, are set beside them: one
+        rebalance clock and one epoch for both)."""
+        dims = self._dims()
+        out: list[Mapping[str, int]]
         if self.policy.policy == "static":
-            return slice_shares(self.capacity, members, self.node_id)
-        if reset or set(self._targets) != set(members):
+            out = [slice_shares(d.capacity, members, self.node_id) for d in dims]
+        elif reset or set(self._targets) != set(members):
             self._next_rebalance = now + self.policy.rebalance_interval
             self._rebalance_due = False
-            return self._ideal(members, now)
-        if now < self._next_rebalance:
-            return self._targets
-        self._next_rebalance = now + self.policy.rebalance_interval
-        ideal = self._ideal(members, now)
-        self._rebalance_due = False
-        if (
-            not self._must_move(members, ideal)
-            and max((abs(ideal[m] - self._targets.get(m, 0)) for m in members), default=0)
-            < self.policy.rebalance_hysteresis
-        ):
-            return self._targets
-        step = max(
-            self.policy.rebalance_hysteresis, math.ceil(self.capacity * self.policy.rebalance_max_step)
-        )
-        stepped = step_towards(self._targets, ideal, step)
-        self._rebalance_due = stepped != ideal  # part of the way: the next rebalance goes on
-        return stepped
+            out = [self._ideal(members, now, d) for d in dims]
+        elif now < self._next_rebalance:
+            out = [d.targets for d in dims]
+        else:
+            self._next_rebalance = now + self.policy.rebalance_interval
+            self._rebalance_due = False
+            out = []
+            for d in dims:
+                ideal = self._ideal(members, now, d)
+                hysteresis = max(1, math.ceil(self.policy.rebalance_hysteresis * d.scale))
+                if set(d.targets) != set(members) or (
+                    not self._must_move(members, ideal, d)
+                    and max((abs(ideal[m] - d.targets.get(m, 0)) for m in members), default=0) < hysteresis
+                ):
+                    out.append(ideal if set(d.targets) != set(members) else d.targets)
+                    continue
+                step = max(hysteresis, math.ceil(d.capacity * self.policy.rebalance_max_step))
+                stepped = step_towards(d.targets, ideal, step)
+                # part of the way: the next rebalance goes on
+                self._rebalance_due = self._rebalance_due or stepped != ideal
+                out.append(stepped)
+        if len(dims) > 1:
+            self._token_targets = dict(out[1])
+        else:
+            self._token_targets = {}
+        return dict(out[0])
 
     def _recompute(self, now: float, time_ns: int, force: bool = False) -> bool:
         members = self.members(now)
@@ -681,6 +868,7 @@ class Slicer:
             if view.connected:
                 self._last_up[mid] = now
         membership = members != self._members or not self.epoch
+        tho = self._tho
         if membership:
             for mid in set(self._members) - set(members):
                 # A master that left by its etcd key while its stream was up (or only just went
@@ -688,19 +876,40 @@ class Slicer:
                 not_before = self._samples_count_from(mid, now)
                 draining = mid in self._draining
                 self._ho.exclude(mid, now, self.epoch, now if draining else not_before, draining)
+                if tho is not None:
+                    tho.exclude(mid, now, self.epoch, now, draining)
                 if self._left_for_good(mid):
                     self._ho.mark_gone(mid)
             for mid in members:
                 self._ho.include(mid)
+                if tho is not None:
+                    tho.include(mid)
             old = set(self._members)
             self._joined = {m: (self._joined[m] if m in old else now) for m in members}
         self._ho.expire(now, members)
+        if tho is not None:
+            tho.expire(now, members)
+            self._sync_token_orphans()
         self._targets = self._compute_targets(members, now, reset=membership or force)
         grants = self._ho.plan(self._targets, self._shares)
-        if grants == self._shares and not membership and not force:
+        token_grants = tho.plan(self._token_targets, self._token_shares) if tho is not None else {}
+        if grants == self._shares and token_grants == self._token_shares and not membership and not force:
             return False
         self._members = members
         self._shares = grants
+        self._token_shares = token_grants
         self.epoch = next_epoch(self.epoch, time_ns)
         self._ho.issue(self.epoch, grants)
+        if tho is not None:
+            tho.issue(self.epoch, token_grants)
         return True
+
+
+@dataclass
+class _Dim:
+    """One capacity of a node as the split sees it: slots, or KV tokens (``scale``: per slot)."""
+
+    capacity: int
+    ho: Handover
+    targets: Mapping[str, int]
+    scale: float

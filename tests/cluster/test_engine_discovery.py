@@ -107,6 +107,19 @@ def test_the_kv_pool_comes_from_the_engine_from_the_flag_or_is_slots_only(cluste
         return out
 
     c.wait_for(lambda: pools() == want, timeout=30)
+    # the master reads each pool from the Register; its token share is the whole pool once its Acks
+    # count tokens (a master that counts none gets no token share, and places on slots as before)
+    for n, pool in (("d1", 40000), ("d2", 10000), ("d3", None)):
+        assert _node(c, "m1", n).get("kv_tokens") == pool
+
+    def token_shares_settled() -> bool:
+        for n, pool in (("d1", 40000), ("d2", 10000)):
+            counts = c.agents[n].status()["masters"]["m1"]["active_tokens"] is not None
+            if _node(c, "m1", n).get("token_share") != (pool if counts else None):
+                return False
+        return _node(c, "m1", "d3").get("token_share") is None
+
+    c.wait_for(token_shares_settled, timeout=30)
     assert "publishes no KV pool" in c.agents["d3"].proc.tail(200)
     argv = [sys.executable, "-c", "from pdcoord.dev.cli import main; main()", "status",
             "--etcd", c.etcd, "--cluster", c.cluster, "--json"]  # fmt: skip

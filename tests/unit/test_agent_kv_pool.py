@@ -51,3 +51,33 @@ def test_a_pool_found_later_is_registered_anew() -> None:
     assert not agent.set_kv_tokens(5000, "engine")
     assert agent._register_msg("m1", 8).register.kv_tokens == 5000
     assert agent.status()["kv_tokens_source"] == "engine"
+
+
+def test_grants_carry_token_shares_to_masters_that_count_tokens() -> None:
+    import time
+
+    from nodeagent.agent import MasterLink
+    from pdcoord.v1 import coordination_pb2 as pb
+
+    agent = offline_agent(4, kv_tokens=1000, discover_kv_tokens=False, load_urls=())
+    s = agent.slicer
+    now = time.monotonic()
+    s.set_masters(["m1", "m2"], now, time.time_ns())
+    for m in ("m1", "m2"):
+        s.stream_up(m, now, time.time_ns())
+    new = pb.Ack(master_id="m1", applied_epoch=s.epoch, active_tokens=0, wanted_tokens=0, kept_tokens=0)
+    old = pb.Ack(master_id="m2", applied_epoch=s.epoch)
+    agent._on_ack(MasterLink("m1", "x:1"), new)
+    agent._on_ack(MasterLink("m2", "x:2"), old)
+    g1, g2 = agent._grant("m1"), agent._grant("m2")
+    assert g1 is not None and g2 is not None
+    assert g1.HasField("token_share") and g1.token_share == s.token_share_for("m1")
+    assert g1.capacity_epoch == g2.capacity_epoch == s.epoch  # one epoch for both
+    assert not g2.HasField("token_share")  # an earlier release: as before
+    st = agent.status()
+    assert st["handover"]["tokens"]["slots_only_masters"] == ["m2"]
+    # no pool: no token share for anyone
+    plain = offline_agent(4, discover_kv_tokens=False, load_urls=())
+    plain.slicer.set_masters(["m1"], now, time.time_ns())
+    grant = plain._grant("m1")
+    assert grant is not None and not grant.HasField("token_share")
