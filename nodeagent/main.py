@@ -258,6 +258,7 @@ async def _run(args: argparse.Namespace) -> int:
         return 2
     capacity, bootstrap_port, model = args.running_max_req_size, args.bootstrap_port, args.model
     kv_tokens: int | None = args.kv_tokens or None
+    priority: str | None = None  # the engine's priority order, when it is asked
     # The model is only informative: the engine is asked for it when it is asked anyway.
     if capacity is None or (args.role == "prefill" and bootstrap_port is None):
         try:
@@ -286,7 +287,11 @@ async def _run(args: argparse.Namespace) -> int:
                 return 2
         model = model or info.model
         kv_tokens = kv_tokens or info.kv_tokens
+        priority = info.priority_scheduling
     start_args = dict(args.start_arg)
+    if priority is not None:
+        # masters with --engine-priority auto send this engine a priority (a --start-arg wins)
+        start_args.setdefault("priority_scheduling", priority)
     if bootstrap_port is not None:
         start_args["bootstrap_port"] = str(bootstrap_port)
     if model:

@@ -295,6 +295,11 @@ class EngineInfo:
     # The KV pool in tokens: SGLang's max_total_num_tokens, vLLM's num_gpu_blocks x block_size (from
     # its /metrics: vllm:cache_config_info). None: the engine publishes none (capacity is slots only).
     kv_tokens: int | None = None
+    # How the engine orders its waiting queue by a request's priority: "high-first", "low-first", or
+    # None when it does not (SGLang's --enable-priority-scheduling and
+    # --schedule-low-priority-values-first in /get_server_info). Masters with --engine-priority auto
+    # send a priority only to engines that say so (start argument priority_scheduling).
+    priority_scheduling: str | None = None
 
 
 def _positive_int(value: Any) -> int | None:
@@ -345,6 +350,11 @@ async def discover_engine(endpoint: str, session: aiohttp.ClientSession, timeout
             bootstrap_port=_positive_int(info.get("disaggregation_bootstrap_port")),
             model=model if isinstance(model, str) else None,
             kv_tokens=_server_info_pool(info),
+            priority_scheduling=(
+                ("low-first" if info.get("schedule_low_priority_values_first") is True else "high-first")
+                if info.get("enable_priority_scheduling") is True
+                else None
+            ),
         )
     models = await get("/v1/models")
     if isinstance(models, dict) and isinstance(models.get("data"), list):

@@ -1071,6 +1071,11 @@ class Engine:
             "dp_size": 1,
             "engine_id": self.engine_id,
             "internal_states": [{"max_running_requests": cfg.running_max_req_size}],
+            # SGLang's server arguments of the same names (--enable-priority-scheduling,
+            # --schedule-low-priority-values-first)
+            "enable_priority_scheduling": self.model is not None and self.model.cfg.priority_scheduling,
+            "schedule_low_priority_values_first": self.model is not None
+            and self.model.cfg.low_priority_first,
         }
 
     def _waiting(self) -> int:
