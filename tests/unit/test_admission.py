@@ -870,7 +870,8 @@ def test_forget_node_drops_its_bookkeeping_only_once_nothing_is_held_there() -> 
     assert not core.forget_node(node)  # the lease still runs
     core.release(t)
     assert core.forget_node(node)
-    for per_node in (core._granted_on, core._unseen_on, core._in_decode, core._ack_gen, core._old):
+    ledger = core._ledger
+    for per_node in (ledger.granted_on, ledger.unseen_on, ledger.in_decode, ledger.ack_gen, ledger.old):
         assert node not in per_node
     core.update_shares({node: 2})  # it comes back: a fresh start
     assert core.granted_on(node) == 0 and core.in_decode_on(node) == 0
