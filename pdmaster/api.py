@@ -1,6 +1,6 @@
 """The master's HTTP surface (aiohttp): the OpenAI / SGLang routes, the control routes (health,
-readiness, metrics, the admission snapshot), API-key authentication, the OpenAI error envelope, and
-the hardening of aiohttp against malformed requests.
+readiness, metrics, the admission snapshot), API-key authentication, and the hardening of aiohttp
+against malformed requests. The OpenAI error envelope is ``pdmaster.errors`` (re-exported here).
 
 The OpenAI routes read and parse the request (``validation``) and hand it to the request pipeline
 (``pipeline``); a stage that fails raises ``RequestFailed``, rendered here as an OpenAI error.
@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from pdmaster.context import RequestContext, RequestFailed
 from pdmaster.engine.dispatch import PROTOCOLS
+from pdmaster.errors import error_body, json_error
 from pdmaster.lifecycle import Lifecycle
 from pdmaster.metrics import RequestMetrics
 from pdmaster.registry import DECODE, PREFILL, NodeRegistry
@@ -47,42 +48,6 @@ __all__ = [
     "json_error",
     "load_api_keys",
 ]
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_exceeded",
-    503: "service_unavailable",
-}
-
-
-# -- the OpenAI error envelope -------------------------------------------------------------------
-def error_body(
-    message: str, *, type_: str, code: str | int | None = None, param: str | None = None
-) -> dict[str, Any]:
-    """The OpenAI error envelope."""
-    return {"error": {"message": message, "type": type_, "code": code, "param": param}}
-
-
-def json_error(
-    status: int,
-    message: str,
-    *,
-    type_: str | None = None,
-    code: str | int | None = None,
-    param: str | None = None,
-    retry_after: float | None = None,
-) -> web.Response:
-    headers = {}
-    if retry_after is not None:
-        headers["Retry-After"] = str(max(1, int(retry_after + 0.999)))
-    type_ = type_ or ERROR_TYPES.get(status, "api_error")
-    return web.json_response(
-        error_body(message, type_=type_, code=code, param=param), status=status, headers=headers
-    )
-
 
 # -- API keys --------------------------------------------------------------------------------------
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -22,8 +22,8 @@ from typing import Protocol
 
 from aiohttp import web
 
-from pdmaster.api import error_body
 from pdmaster.engine import EngineError, EngineResponse
+from pdmaster.errors import error_body
 from pdmaster.fanout import Part, StreamMerger, merge_bodies
 from pdmaster.metrics import EndpointMetrics
 
