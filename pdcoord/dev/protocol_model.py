@@ -12,6 +12,15 @@ really use on it. After every event the model checks, for every node,
 which is the strict-handover promise (DESIGN §4). The same harness drives the demand-policy
 benchmark, with Poisson arrivals per master and leases held for a random time.
 
+Tokens (DESIGN §13, ``kv_tokens``: a KV pool per node). Every lease then charges a random number of
+tokens (``lease_tokens``) and is placed only where the master's token share, less what its leases
+there charge, covers it (a master of this release; the model refuses the lease otherwise, as a
+master that finds no node with room would keep it waiting). Masters report active, wanted and kept
+tokens in their Acks, and the check runs for tokens beside slots:
+
+    Σ over live masters of the tokens their unfinished leases charge  ≤  pool
+    Σ over live masters of max(token share it may use now, those tokens)  ≤  pool
+
 A lease ends twice. Its decode ends in the engine, which stops counting it; the master learns that
 when the engine's last bytes reach it, a one-way delay later, and releases it then. A lease whose
 client is slow (``slow_fraction``) is released only once that client has caught up, ``relay`` seconds
@@ -151,6 +160,11 @@ class SimConfig:
     # (``rates`` are weights: the total offered load stays the same), as a load balancer would.
     churn: tuple[tuple[float, str, str], ...] = ()
     restart_left: bool = True  # a master that left (drained) starts again, as in the chaos phase
+    # A KV pool per node, in tokens (nodes not named have none: slots alone, as before), and what a
+    # lease charges there, uniform (drawn from a generator of its own, so that a seed offers the
+    # same slot traffic with or without pools).
+    kv_tokens: dict[str, int] = field(default_factory=dict)
+    lease_tokens: tuple[int, int] = (100, 1000)
     # Check the invariant after arrivals and lease ends too. They cannot raise it (a lease is
     # granted only within the master's share, a lease end lowers it), so a benchmark of a large
     # fleet may check after protocol events only; the tests check after every event.
@@ -173,6 +187,9 @@ class Stream:
     # The mark of the master's previous Ack here: its slots-granted count (kept_from="grant"), or
     # what AdmissionCore.kept_since returned ("sent").
     kept_mark: int | None = None
+    # The leases (ticket ids) the master held here at its previous Ack: those still held count in
+    # the next Ack's kept_tokens.
+    token_mark: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -230,16 +247,28 @@ class SimMaster:
     decoding_on: dict[str, int] = field(default_factory=dict)
     waiting_on: dict[str, int] = field(default_factory=dict)
     released: dict[str, tuple[int, int]] = field(default_factory=dict)  # node -> (stream id, running)
+    # Tokens (nodes with a pool): what each lease charges, what the master's leases charge per node
+    # from grant to release (its Acks' active_tokens), and from grant to the end of their decode in
+    # the engine (what the engine will have to hold, as unfinished_on for slots).
+    lease_tokens: dict[int, int] = field(default_factory=dict)
+    tokens_held: dict[str, int] = field(default_factory=dict)
+    tokens_unfinished: dict[str, int] = field(default_factory=dict)
 
     def engine_reset(self) -> None:
         """The process is gone, or starts afresh: the engines dropped its requests."""
         self.decoding, self.unfinished_on, self.decoding_on, self.waiting_on = {}, {}, {}, {}
+        self.lease_tokens, self.tokens_held, self.tokens_unfinished = {}, {}, {}
 
 
 @dataclass
 class Stats:
     violations: list[tuple[float, str, int]] = field(default_factory=list)
     max_usable: dict[str, int] = field(default_factory=dict)
+    # Tokens: (t, node, what was above the pool, "running" | "usable"), the highest usable sum per
+    # node, and the leases a master refused for want of tokens (its share less its charges).
+    token_violations: list[tuple[float, str, int, str]] = field(default_factory=list)
+    max_token_usable: dict[str, int] = field(default_factory=dict)
+    token_refused: int = 0
     faults: dict[str, int] = field(default_factory=dict)
     granted: dict[str, int] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)
@@ -271,6 +300,7 @@ class ProtocolSim:
                 raise ValueError(f"{name} {getattr(cfg, name)!r}: one of {allowed}")
         self.cfg = cfg
         self.rng = random.Random(seed)
+        self.trng = random.Random(seed * 7919 + 17)  # token charges: the slot traffic stays the same
         self.now = 0.0
         self._q: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -360,6 +390,30 @@ class ProtocolSim:
             total += max(share, m.unfinished_on.get(node, 0))
         return total
 
+    def token_share(self, m: SimMaster, node: str) -> int:
+        """The tokens master ``m`` may charge on ``node`` now (0 without a live stream there)."""
+        n = m.registry.nodes.get(node)
+        if n is None or m.core is None:
+            return 0
+        share = getattr(n, "effective_token_share", None)
+        if share is None:
+            return 0
+        if m.draining and m.core.queued_requests == 0:
+            return 0  # takes no new requests and has none waiting: it can only finish leases
+        return int(share)
+
+    def token_usage(self, node: str) -> tuple[int, int]:
+        """Σ over live masters of the tokens their unfinished leases charge on ``node``, and of
+        max(token share, those tokens): the token counterparts of :meth:`usable`."""
+        running = usable = 0
+        for m in self.masters.values():
+            if not m.alive or m.core is None:
+                continue
+            unfinished = m.tokens_unfinished.get(node, 0)
+            running += unfinished
+            usable += max(self.token_share(m, node), unfinished)
+        return running, usable
+
     def check(self) -> None:
         for node, cap in self.cfg.nodes.items():
             u = self.usable(node)
@@ -367,6 +421,14 @@ class ProtocolSim:
                 self.stats.max_usable[node] = u
             if u > cap:
                 self.stats.violations.append((self.now, node, u))
+        for node, pool in self.cfg.kv_tokens.items():
+            running, usable = self.token_usage(node)
+            if usable > self.stats.max_token_usable.get(node, 0):
+                self.stats.max_token_usable[node] = usable
+            if running > pool:
+                self.stats.token_violations.append((self.now, node, running - pool, "running"))
+            if usable > pool:
+                self.stats.token_violations.append((self.now, node, usable - pool, "usable"))
 
     # -- scenario -----------------------------------------------------------------------------
     def run(self) -> Stats:
@@ -600,8 +662,21 @@ class ProtocolSim:
                 self.stats.refused[m.mid] = self.stats.refused.get(m.mid, 0) + 1
 
     def _granted(self, m: SimMaster, t: Ticket) -> None:
-        m.leases[t.id] = t
         assert t.node is not None
+        pool = self.cfg.kv_tokens.get(t.node)
+        if pool is not None:
+            lo, hi = self.cfg.lease_tokens
+            charge = self.trng.randint(lo, hi) * t.slots
+            if charge > self.token_share(m, t.node) - m.tokens_held.get(t.node, 0):
+                # Its token share there cannot take the lease: not placed (released at once).
+                self.stats.token_refused += 1
+                assert m.core is not None
+                self.master_changes(m, m.core.release(t))
+                return
+            m.lease_tokens[t.id] = charge
+            m.tokens_held[t.node] = m.tokens_held.get(t.node, 0) + charge
+            m.tokens_unfinished[t.node] = m.tokens_unfinished.get(t.node, 0) + charge
+        m.leases[t.id] = t
         m.decoding[t.id] = "prefill"
         m.unfinished_on[t.node] = m.unfinished_on.get(t.node, 0) + t.slots
         if self.now >= self.measure_from:
@@ -691,6 +766,8 @@ class ProtocolSim:
             return
         assert t.node is not None
         m.unfinished_on[t.node] -= t.slots
+        if t.id in m.lease_tokens:
+            m.tokens_unfinished[t.node] -= m.lease_tokens[t.id]
         if stage == "running":
             m.decoding_on[t.node] -= t.slots
         elif stage == "waiting":
@@ -714,10 +791,17 @@ class ProtocolSim:
         self._skip_check = not self.cfg.check_traffic_events
         if m.inc != inc or not m.alive or m.core is None:
             return  # the process died with its leases
-        m.leases.pop(t.id, None)
+        self._release(m, t)
         self.master_changes(m, m.core.release(t))
         if m.draining and m.core.active == 0:
             self.master_leave(m)
+
+    def _release(self, m: SimMaster, t: Ticket) -> None:
+        """The master no longer holds the lease: neither its slot nor its tokens."""
+        m.leases.pop(t.id, None)
+        charge = m.lease_tokens.pop(t.id, None)
+        if charge is not None and t.node is not None:
+            m.tokens_held[t.node] -= charge
 
     def arrival(self, m: SimMaster, inc: int) -> None:
         self._skip_check = not self.cfg.check_traffic_events
@@ -793,7 +877,7 @@ class ProtocolSim:
                 # MasterServer.drain: what still runs is cancelled (the engines drop it) first.
                 for t in list(m.leases.values()):
                     self._engine_drop(m, t)
-                    m.leases.pop(t.id, None)
+                    self._release(m, t)
                     m.core.release(t)
             self.drained.add(m.mid)  # the key says so just before the revocation: one watch step
         # Revoke the lease, then stop: streams close cleanly; leases past the drain timeout end.
@@ -839,7 +923,7 @@ class ProtocolSim:
             # noticed the loss).
             for t in [t for t in m.leases.values() if t.node == s.node and not t.sent]:
                 self._engine_drop(m, t)
-                m.leases.pop(t.id, None)
+                self._release(m, t)
                 self.stats.cancelled_unsent += 1
                 self.master_changes(m, m.core.release(t))
             if m.draining and m.core.active == 0:
@@ -851,13 +935,17 @@ class ProtocolSim:
         s.cut = True
         self.after(self.delay(), lambda: self.agent_stream_closed(s))
 
-    def master_receive(self, s: Stream, kind: str, grant: tuple[int, int], seq: int) -> None:
+    def master_receive(self, s: Stream, kind: str, grant: tuple[int, int, int | None], seq: int) -> None:
         m = self.masters[s.master]
         if s.cut or not s.master_open or not m.alive or m.inc != s.master_inc or m.core is None:
             return
         if kind == "register" and m.draining:
             self._abort(s)  # a draining master refuses new streams
             return
+        pool = self.cfg.kv_tokens.get(s.node)
+        # Token fields only where the node has a pool: the registry calls of a slots-only run stay
+        # those of the model before tokens.
+        tokens = {} if pool is None else {"kv_tokens": pool, "token_share": grant[2]}
         try:
             if kind == "register":
                 _, token = m.registry.register(
@@ -865,14 +953,18 @@ class ProtocolSim:
                     role=DECODE,
                     endpoint=f"http://{s.node}",
                     running_max_req_size=self.cfg.nodes[s.node],
-                    grant=grant,
+                    grant=(grant[0], grant[1]),
                     stream_id=s.sid if self.cfg.released_keys else 0,
+                    **tokens,  # type: ignore[arg-type]
                 )
                 s.token = token
                 m.streams[s.node] = s
             else:
                 assert s.token is not None
-                m.registry.apply_grant(s.node, s.token, grant[0], grant[1])
+                if pool is None:
+                    m.registry.apply_grant(s.node, s.token, grant[0], grant[1])
+                else:
+                    m.registry.apply_grant(s.node, s.token, grant[0], grant[1], grant[2])
         except ProtocolError:
             self._abort(s)
             return
@@ -892,16 +984,34 @@ class ProtocolSim:
             sure = min(active, m.core.sure_on(s.node)) if self.cfg.lease_end == "seen" else active
             kept = kept_slots(sure, granted, s.kept_mark)
             s.kept_mark = granted
-        self._send_m2a(s, node.epoch, active, wanted, m.draining, seq, kept)
+        toks = None
+        if pool is not None:
+            # As CoordinationService._ack with a token provider: what its leases here charge, what
+            # its queue wants (its wanted slots at the mean charge), and the charges of the leases it
+            # held at its previous Ack here and holds still.
+            here = frozenset(i for i, t in m.leases.items() if t.node == s.node)
+            lo, hi = self.cfg.lease_tokens
+            kept_t = sum(m.lease_tokens.get(i, 0) for i in here & s.token_mark)
+            toks = (m.tokens_held.get(s.node, 0), wanted * (lo + hi) // 2, kept_t)
+            s.token_mark = here
+        self._send_m2a(s, node.epoch, active, wanted, m.draining, seq, kept, toks)
 
     def _send_m2a(
-        self, s: Stream, epoch: int, active: int, wanted: int, draining: bool, seq: int, kept: int | None
+        self,
+        s: Stream,
+        epoch: int,
+        active: int,
+        wanted: int,
+        draining: bool,
+        seq: int,
+        kept: int | None,
+        toks: tuple[int, int, int] | None = None,
     ) -> None:
         if s.cut:
             return
         t = max(self.now + self.delay(), s.m2a_last)
         s.m2a_last = t
-        self.at(t, lambda: self.agent_receive(s, epoch, active, wanted, draining, seq, kept))
+        self.at(t, lambda: self.agent_receive(s, epoch, active, wanted, draining, seq, kept, toks))
 
     # -- agents -------------------------------------------------------------------------------
     def agent_start(self, a: SimAgent) -> None:
@@ -923,6 +1033,7 @@ class ProtocolSim:
             ),
             peer_detect_s=self.cfg.peer_detect_s,
             now=self.now,
+            kv_tokens=self.cfg.kv_tokens.get(a.node),
         )
         a.slicer.restore_epoch(self.stored_epoch.get(a.node, 0))
         self.agent_watch(a, set(self.etcd))
@@ -1003,7 +1114,8 @@ class ProtocolSim:
         seq = a.seq
         if kind == "report":
             link.report_seq, link.report_sent_at = seq, self.now
-        grant = (a.slicer.share_for(link.master), a.slicer.epoch)
+        token_share = a.slicer.token_share_for(link.master) if a.node in self.cfg.kv_tokens else None
+        grant = (a.slicer.share_for(link.master), a.slicer.epoch, token_share)
         link.sent_epoch = a.slicer.epoch
         link.next_report = self.now + (self.cfg.poll_s if a.slicer.handover_pending else self.cfg.report_s)
         t = max(self.now + self.delay(), s.a2m_last)
@@ -1019,6 +1131,7 @@ class ProtocolSim:
         draining: bool = False,
         seq: int = 0,
         kept: int | None = None,
+        toks: tuple[int, int, int] | None = None,
     ) -> None:
         a = self.agents[s.node]
         if s.cut or not a.alive or a.inc != s.agent_inc or not s.agent_open or a.slicer is None:
@@ -1038,6 +1151,9 @@ class ProtocolSim:
         answers += END_SEEN_S - self.cfg.end_seen_s
         link.answered_seq = seq
         link.acked = (epoch, active)
+        token_acks: dict[str, int] = {}
+        if toks is not None:
+            token_acks = {"active_tokens": toks[0], "wanted_tokens": toks[1], "kept_tokens": toks[2]}
         changed |= a.slicer.on_ack(
             s.master,
             epoch,
@@ -1048,6 +1164,7 @@ class ProtocolSim:
             draining,
             kept=kept,
             answers_sent_at=answers,
+            **token_acks,
         )
         h = a.slicer._ho.holders.get(s.master)
         if self._ack_shift and h is not None and h.acked_at == self.now:
@@ -1231,6 +1348,21 @@ class ProtocolSim:
                 held = n.effective_share if n is not None else 0
                 if held != s.share_for(mid):
                     problems.append(f"{a.node}: master {mid} holds {held}, agent grants {s.share_for(mid)}")
+            pool = self.cfg.kv_tokens.get(a.node)
+            if pool is not None:
+                if dict(s.token_shares) != dict(s.token_targets) or sum(s.token_targets.values()) != pool:
+                    problems.append(
+                        f"{a.node}: token grants {dict(s.token_shares)} != targets {dict(s.token_targets)} "
+                        f"(pool {pool})"
+                    )
+                for mid in live:
+                    n = self.masters[mid].registry.nodes.get(a.node)
+                    held_t = getattr(n, "token_share", None) if n is not None else None
+                    granted_t = s.token_share_for(mid)
+                    if held_t != granted_t:
+                        problems.append(
+                            f"{a.node}: master {mid} holds {held_t} tokens, agent grants {granted_t}"
+                        )
         return problems
 
     def utilisation(self) -> float:

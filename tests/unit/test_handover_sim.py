@@ -376,3 +376,36 @@ def test_behind_resets_an_agent_that_distrusts_refusals_keeps_strict_handover_ex
         assert not problems, f"seed {seed}: not converged after the stable phase: {problems}"
         rejects += stats.faults.get("reject", 0)
     assert rejects > 0, "no link rejected: the test exercised nothing"
+
+
+# Nodes with a KV pool (DESIGN §13): leases charge 100-1000 tokens each, so a node's tokens run out
+# before its slots about as often as not (d1: 8 slots, 4000 tokens; d2: 5 slots, 2500 tokens).
+POOLS = {"d1": 4000, "d2": 2500}
+TOKEN_SEEDS = int(os.environ.get("PDCOORD_SIM_TOKEN_SEEDS", "20"))
+
+
+@pytest.mark.parametrize("policy", ["static", "demand"])
+def test_token_shares_never_oversubscribe_the_pool_and_converge(policy: str) -> None:
+    """Σ of the token charges the engine will hold, and Σ max(token share, those charges), stay within
+    every node's pool through the same failovers, drains, partitions and agent restarts as slots."""
+    refused = 0
+    for seed in range(TOKEN_SEEDS):
+        sim = ProtocolSim(dataclasses.replace(_config(policy), kv_tokens=POOLS), seed)
+        stats = sim.run()
+        assert not stats.violations, f"seed {seed}: slots above capacity {stats.violations[:5]}"
+        assert not stats.token_violations, (
+            f"seed {seed}: tokens above the pool {POOLS} at (t, node, excess, what) "
+            f"{stats.token_violations[:5]}; faults {stats.faults}"
+        )
+        problems = sim.converged()
+        assert not problems, f"seed {seed}: not converged after the stable phase: {problems}"
+        assert sum(stats.granted.values()) > 0
+        refused += stats.token_refused
+    assert refused > 0  # the pools did bind
+
+
+def test_the_model_catches_token_overshoot_in_fast_mode() -> None:
+    """Fast handover hands tokens on at once: the same scenarios must show the token overshoot."""
+    cfg = dataclasses.replace(_config("static", "fast"), kv_tokens=POOLS)
+    violating = sum(bool(ProtocolSim(cfg, seed).run().token_violations) for seed in range(10))
+    assert violating >= 3, f"only {violating}/10 fast-mode runs overshot the pool"
