@@ -953,6 +953,8 @@ class NodeAgent:
         self._value_stale = True
         self.slicer.set_kv_tokens(pool, time.monotonic(), time.time_ns())
         self._changed()
+        for link in self.links.values():
+            link.send_now.set()  # its stream registers again, with the new pool
         return True
 
     def _pool_unpublished(self) -> None:

@@ -53,6 +53,19 @@ SGLang's protocol right after the grant, with vLLM's after the prefill: ``Admiss
 A sample is taken ``START_SEEN_S`` after the Acks that open its bracket came in, so that what a master
 sent before its Ack is in the engine's queues by then.
 
+Tokens (DESIGN §13). A node with a KV pool runs a second Handover over its tokens, planned the same
+way and issued under the same epochs (``Slicer``): a master's token bound is max(token grant it may
+hold, the active_tokens of its last Ack), shrink before grow. That instance is never sampled: no engine
+count tells whose tokens are in use, and the engine's KV usage is no bound on what leases are charged
+(a lease is charged its prompt and its whole output budget, and uses less until its last token). A
+departed master's tokens stay reserved for as long as the slot handover may still see its leases
+running (its slot orphan, or a pool that orphan was cut into: :meth:`Handover.covers`); every lease
+holds a slot, so once none of its slots can be running, none of its tokens can either. So the token
+reservations go with the masters' own Acks (a returning master's, or one that applied a later grant),
+the released word (at 0 leases), the engine samples that free the slots, and ``orphan_timeout_s``.
+A master whose Acks carry no active_tokens (an earlier release) gets no token share on the wire; its
+slots, scaled by pool / slots, stand in for its token use.
+
 Known gap. Masters of an earlier release send no ``kept_slots``; their acked counts stand in as
 before, so with them the stale-Ack case above remains (pinned by the ``known_gap`` tests); they hold a
 lease until a slow client has its answer, and count it from its grant, while it may still be in its

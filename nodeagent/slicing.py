@@ -228,6 +228,12 @@ class Slicer:
     a bounded step); :class:`~nodeagent.handover.Handover` turns targets into *grants* (``strict``:
     shrink before grow; ``fast``: grants are the targets). Every change of the grants or of the
     member set advances the epoch. ``tick(now)`` applies timers: grace, rebalance, orphan timeout.
+
+    With a KV pool (``kv_tokens``, :meth:`set_kv_tokens`) the same is done for tokens: token targets
+    by token demand (active + wanted tokens of the Acks; a master's floor is its slot floor scaled by
+    pool / slots; hysteresis and step scaled likewise), token grants by a second strict handover
+    whose reservations of departed masters go with their slot reservations (see
+    :mod:`nodeagent.handover`), and one epoch for both: a change of either advances it.
     """
 
     node_id: str

@@ -127,3 +127,18 @@ def test_the_kv_pool_comes_from_the_engine_from_the_flag_or_is_slots_only(cluste
     nodes = {n["node_id"]: n for n in json.loads(out.stdout)["nodes"]}
     assert nodes["d1"]["kv_tokens"] == 40000 and nodes["d2"]["kv_tokens"] == 10000
     assert nodes["d3"]["capacity_unit"] == "slots only"
+
+
+def test_a_pool_found_after_the_streams_opened_reaches_the_masters(cluster: LocalCluster) -> None:
+    """The engine was not up when the agent started (capacity from the flag): its pool comes later,
+    and since only a Register says the pool, every stream registers again with it."""
+    c = cluster
+    c.start_master("m1")
+    port = free_port()
+    c.start_agent("d1", "decode", endpoint=f"http://127.0.0.1:{port}", capacity=3, no_health_check=True)
+    c.wait_for(lambda: c.full_capacity_held(["m1"], {"d1": 3}), timeout=30)
+    assert _node(c, "m1", "d1").get("kv_tokens") is None
+    c.start_engine("d1", "decode", 3, api="sglang", port=port, max_total_tokens=30000)
+    c.wait_for(lambda: c.agents["d1"].status()["kv_tokens"] == 30000, timeout=30)
+    c.wait_for(lambda: _node(c, "m1", "d1").get("kv_tokens") == 30000, timeout=30)
+    c.wait_for(lambda: c.full_capacity_held(["m1"], {"d1": 3}), timeout=30)
