@@ -180,17 +180,25 @@ def parse_get_load(data: Any) -> EngineLoad:
 
 
 def parse_v1_loads(data: Any) -> EngineLoad:
-    """Newer SGLang's ``GET /v1/loads``: the ``aggregate`` totals over its ranks."""
+    """Newer SGLang's ``GET /v1/loads``: the ``aggregate`` totals over its ranks, and the KV pool from
+    its ranks' ``max_total_num_tokens`` (one rank's: each has its own, as in :func:`parse_metrics`)."""
     agg = data.get("aggregate") if isinstance(data, dict) else None
     if not isinstance(agg, dict) or not isinstance(agg.get("total_running_reqs"), int):
         return EngineLoad()
     waiting = agg.get("total_waiting_reqs")
     usage = agg.get("avg_token_usage")
-    return EngineLoad(
+    ranks = data.get("loads")
+    pools = (
+        [_positive_int(r.get("max_total_num_tokens")) for r in ranks if isinstance(r, dict)]
+        if isinstance(ranks, list)
+        else []
+    )
+    return EngineSample(
         running=agg["total_running_reqs"],
         waiting=waiting if isinstance(waiting, int) else 0,
         kv_usage=float(usage) if isinstance(usage, int | float) else 0.0,
         probe_ok=True,
+        kv_tokens=max((p for p in pools if p is not None), default=None),
     )
 
 

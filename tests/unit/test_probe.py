@@ -120,3 +120,16 @@ def test_vllm_pool_from_cache_config_labels() -> None:
     assert vllm_pool_tokens({"num_gpu_blocks": "None", "block_size": "32"}) is None
     assert vllm_pool_tokens({"block_size": "32"}) is None
     assert vllm_pool_tokens({"num_gpu_blocks": "0", "block_size": "32"}) is None
+
+
+def test_sglang_v1_loads_gives_the_pool_too() -> None:
+    from nodeagent.probe import EngineSample, parse_v1_loads
+
+    data = {
+        "aggregate": {"total_running_reqs": 2, "total_waiting_reqs": 0, "avg_token_usage": 0.1},
+        "loads": [{"dp_rank": r, "max_total_num_tokens": 90000} for r in (0, 1)],
+    }
+    s = parse_v1_loads(data)
+    assert isinstance(s, EngineSample) and (s.running, s.kv_tokens) == (2, 90000)
+    s = parse_v1_loads({"aggregate": {"total_running_reqs": 1}})
+    assert isinstance(s, EngineSample) and s.kv_tokens is None
