@@ -174,6 +174,17 @@ def _held(fleet: Fleet, node_id: str) -> dict[str, int]:
     return out
 
 
+def _held_tokens(fleet: Fleet, node_id: str) -> dict[str, int]:
+    """master id -> KV tokens granted on *node_id* (masters that answered, hold a stream there and say
+    a token share: a master of an earlier release says none)."""
+    out: dict[str, int] = {}
+    for m in sorted(fleet.admission):
+        e = fleet.entry(m, node_id)
+        if e is not None and e.get("connected") and isinstance(e.get("token_share"), int):
+            out[m] = int(e["token_share"])
+    return out
+
+
 def check(fleet: Fleet) -> list[Problem]:
     """What is inconsistent in one look, in a stable order."""
     out: list[Problem] = []
@@ -271,6 +282,18 @@ def check(fleet: Fleet) -> list[Problem]:
                     "for a handover (a departed master's requests to end)",
                 )
             )
+        pool = node.get("kv_tokens")
+        tokens = _held_tokens(fleet, n)
+        held_t = sum(tokens.values())
+        if isinstance(pool, int) and pool > 0 and held_t > pool:
+            listed = ", ".join(f"{m} {t}" for m, t in tokens.items())
+            out.append(
+                Problem(
+                    "over_pool",
+                    f"node {n}",
+                    f"node {n}: masters hold {held_t} KV tokens, above its pool {pool} ({listed})",
+                )
+            )
     # one engine_down per node, whichever master said it first
     seen: set[tuple[str, str]] = set()
     unique = []
@@ -343,6 +366,8 @@ def _node_row(fleet: Fleet, n: str) -> dict[str, Any]:
             "epoch": epoch,
             "connected": bool(e.get("connected")),
             "stale": bool(e.get("connected")) and not e.get("legacy") and epoch < newest,
+            # its slice of the node's KV pool (None: no pool, or a master that takes no token share)
+            "token_share": e.get("token_share") if isinstance(e.get("token_share"), int) else None,
         }
         if e.get("engine_down"):
             engine_down.append(str(e.get("engine_reason") or ""))
@@ -430,6 +455,8 @@ def _share_cell(share: dict[str, Any] | None) -> str:
     cell = str(share["share"])
     if share["effective_share"] != share["share"]:
         cell += f" ({share['effective_share']} usable)"
+    if share.get("token_share") is not None:
+        cell += f" · {share['token_share']} tok"
     if share["stale"]:
         cell += f" stale@{share['epoch']}"
     return cell

@@ -115,3 +115,18 @@ def test_nodes_show_their_kv_pool_or_slots_only() -> None:
     # an older agent's key says nothing of a pool
     del f.nodes["d1"]["kv_tokens"]
     assert report(f, [])["nodes"][0]["capacity_unit"] is None
+
+
+def test_token_shares_are_shown_and_more_than_the_pool_is_a_problem() -> None:
+    half = admission(node("d1", 2, 7, token_share=300))
+    f = fleet(m1=half, m2=half)
+    f.nodes["d1"]["kv_tokens"] = 600
+    assert check(f) == []
+    assert "300 tok" in render(report(f, []))
+    f.admission["m2"] = admission(node("d1", 2, 7, token_share=400))
+    problems = check(f)
+    assert kinds(problems) == [("over_pool", "node d1")]
+    assert "700 KV tokens, above its pool 600" in problems[0].message
+    # a master that takes no token share (an earlier release) holds none
+    f.admission["m2"] = admission(node("d1", 2, 7, token_share=None))
+    assert check(f) == []
