@@ -590,7 +590,9 @@ class Slicer:
         scale = self._token_scale()
         t_active, t_wanted, t_kept = self._token_acks.get(master_id, (None, None, None))
         if t_active is None:
-            t_active, t_wanted, t_kept = math.ceil(active * scale), math.ceil(wanted * scale), None
+            # Rounded down: its token grant, a split of the pool, may be a fraction of a token below
+            # its slots x scale, and rounding up would show it running more than it was granted.
+            t_active, t_wanted, t_kept = math.floor(active * scale), math.floor(wanted * scale), None
         t_floor = None if floor is None else math.floor(floor * scale)
         tho.ack(
             master_id,
