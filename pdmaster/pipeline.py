@@ -610,8 +610,9 @@ class RequestPipeline:
             if ctx.parsed.stream:
                 lease = ctx.lease or NO_LEASE
                 resp = await relay_stream(
-                    ctx.request, answer, ctx.headers, ctx.metrics, ctx.arrived, first_output, lease
-                )
+                    ctx.request, answer, ctx.headers, ctx.metrics, ctx.arrived, first_output, lease,
+                    self._answer_events(ctx),
+                )  # fmt: skip
                 self._stream_stalled(ctx, (answer,))
                 return resp
             resp = await relay_body(answer, ctx.headers, ctx.metrics, ctx.arrived, first_output)
@@ -619,6 +620,16 @@ class RequestPipeline:
             return resp
         except (EngineError, OSError) as exc:
             raise self._relay_failed(ctx, exc) from None
+
+    def _answer_events(self, ctx: RequestContext) -> Callable[[int], None] | None:
+        """What learns the answer's length from a streamed relay's event count (None: nothing does)."""
+        charges = self.charges
+        if charges is None or ctx.parsed.prompts is not None:
+            return None
+        choices = ctx.parsed.n
+        # one event per token and choice; besides them a role and a final chunk per choice (chat),
+        # the usage chunk and [DONE]: at most two per choice and two more
+        return lambda events: charges.observe_output(max(0, (events - 2) // choices - 2))
 
     @staticmethod
     def _answered(ctx: RequestContext) -> None:

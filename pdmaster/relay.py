@@ -124,6 +124,7 @@ class _Stream:
         "first_output",
         "lease",
         "metrics",
+        "on_events",
         "out",
         "request",
         "resp",
@@ -137,9 +138,11 @@ class _Stream:
         arrived: float,
         first_output: Callable[[], None] | None,
         lease: DecodeLease,
+        on_events: Callable[[int], None] | None = None,
     ) -> None:
         self.request = request
         self.lease = lease
+        self.on_events = on_events  # told the answer's event count once it was read whole
         self.answers = answers
         self.metrics = metrics
         self.arrived = arrived
@@ -208,6 +211,8 @@ class _Stream:
         else:
             # Every engine answer is complete: release the lease before the end drains to the client.
             self.lease.release()
+            if self.on_events is not None:
+                self.on_events(self.events)
             self.write(tail())
         self.metrics.tokens.inc(self.events)
         self.metrics.ok.inc()
@@ -224,8 +229,11 @@ async def relay_stream(
     arrived: float,
     first_output: Callable[[], None],
     lease: DecodeLease = NO_LEASE,
+    on_events: Callable[[int], None] | None = None,
 ) -> web.StreamResponse:
-    stream = _Stream(request, (answer,), metrics, arrived, first_output, lease)
+    """``on_events(n)``: the engine's whole answer was relayed in ``n`` SSE events (one per token and
+    choice, plus a few: what the token charge learns answer lengths from)."""
+    stream = _Stream(request, (answer,), metrics, arrived, first_output, lease, on_events)
     if not await stream.start(headers):
         return stream.resp
     out = stream.out
