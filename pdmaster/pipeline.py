@@ -76,6 +76,22 @@ def request_tokens(parsed: ParsedRequest, charges: TokenCharge) -> tuple[int, in
     return prompt_total, charge
 
 
+_PROMPT_TOKENS = b'"prompt_tokens":'
+
+
+def prompt_tokens_in(answer: bytes) -> int | None:
+    """The last ``"prompt_tokens": N`` in an engine's answer (a body or a stream's tail), or None."""
+    at = answer.rfind(_PROMPT_TOKENS)
+    if at < 0:
+        return None
+    at += len(_PROMPT_TOKENS)
+    end = at
+    while end < len(answer) and answer[end] in b" 0123456789":
+        end += 1
+    digits = answer[at:end].strip()
+    return int(digits) if digits.isdigit() else None
+
+
 def _failure_label(exc: EngineError) -> str:
     return "5xx" if exc.engine_status >= 500 else exc.kind
 
@@ -615,21 +631,40 @@ class RequestPipeline:
                 )  # fmt: skip
                 self._stream_stalled(ctx, (answer,))
                 return resp
-            resp = await relay_body(answer, ctx.headers, ctx.metrics, ctx.arrived, first_output)
+            resp = await relay_body(
+                answer, ctx.headers, ctx.metrics, ctx.arrived, first_output,
+                lambda body: self._learn_prompt(ctx, body),
+            )  # fmt: skip
             self._answered(ctx)
             return resp
         except (EngineError, OSError) as exc:
             raise self._relay_failed(ctx, exc) from None
 
-    def _answer_events(self, ctx: RequestContext) -> Callable[[int], None] | None:
-        """What learns the answer's length from a streamed relay's event count (None: nothing does)."""
+    def _answer_events(self, ctx: RequestContext) -> Callable[[int, bytes], None] | None:
+        """What learns from a streamed answer: its length from the relay's event count, and the
+        engine's count of a text prompt's tokens where the stream's end carries it (None: nothing)."""
         charges = self.charges
         if charges is None or ctx.parsed.prompts is not None:
             return None
         choices = ctx.parsed.n
-        # one event per token and choice; besides them a role and a final chunk per choice (chat),
-        # the usage chunk and [DONE]: at most two per choice and two more
-        return lambda events: charges.observe_output(max(0, (events - 2) // choices - 2))
+
+        def learn(events: int, tail: bytes) -> None:
+            # one event per token and choice; besides them a role and a final chunk per choice
+            # (chat), the usage chunk and [DONE]: at most two per choice and two more
+            charges.observe_output(max(0, (events - 2) // choices - 2))
+            self._learn_prompt(ctx, tail)
+
+        return learn
+
+    def _learn_prompt(self, ctx: RequestContext, answer: bytes) -> None:
+        """A text prompt's token count as the engine reports it in ``answer`` (OpenAI usage,
+        SGLang's meta_info: both say ``prompt_tokens``), for the characters-per-token estimate."""
+        parsed, charges = ctx.parsed, self.charges
+        if charges is None or parsed.input_ids is not None or parsed.prompts is not None:
+            return
+        tokens = prompt_tokens_in(answer)
+        if tokens is not None:
+            charges.observe_prompt(len(parsed.prompt_text), tokens)
 
     @staticmethod
     def _answered(ctx: RequestContext) -> None:

@@ -88,8 +88,13 @@ async def relay_body(
     metrics: EndpointMetrics,
     arrived: float,
     first_output: Callable[[], None],
+    on_body: Callable[[bytes], None] | None = None,
 ) -> web.Response:
-    return await _whole(await answer.read(), headers, metrics, arrived, first_output)
+    """``on_body(body)``: the engine's whole answer (where its token counts are)."""
+    body = await answer.read()
+    if on_body is not None:
+        on_body(body)
+    return await _whole(body, headers, metrics, arrived, first_output)
 
 
 async def relay_parts_body(
@@ -128,6 +133,7 @@ class _Stream:
         "out",
         "request",
         "resp",
+        "tail",
     )
 
     def __init__(
@@ -138,11 +144,12 @@ class _Stream:
         arrived: float,
         first_output: Callable[[], None] | None,
         lease: DecodeLease,
-        on_events: Callable[[int], None] | None = None,
+        on_events: Callable[[int, bytes], None] | None = None,
     ) -> None:
         self.request = request
         self.lease = lease
-        self.on_events = on_events  # told the answer's event count once it was read whole
+        self.on_events = on_events  # told the answer's event count and tail once it was read whole
+        self.tail = b""  # the last block of events other than a lone [DONE]: where usage counts are
         self.answers = answers
         self.metrics = metrics
         self.arrived = arrived
@@ -212,7 +219,7 @@ class _Stream:
             # Every engine answer is complete: release the lease before the end drains to the client.
             self.lease.release()
             if self.on_events is not None:
-                self.on_events(self.events)
+                self.on_events(self.events, self.tail)
             self.write(tail())
         self.metrics.tokens.inc(self.events)
         self.metrics.ok.inc()
@@ -229,10 +236,11 @@ async def relay_stream(
     arrived: float,
     first_output: Callable[[], None],
     lease: DecodeLease = NO_LEASE,
-    on_events: Callable[[int], None] | None = None,
+    on_events: Callable[[int, bytes], None] | None = None,
 ) -> web.StreamResponse:
-    """``on_events(n)``: the engine's whole answer was relayed in ``n`` SSE events (one per token and
-    choice, plus a few: what the token charge learns answer lengths from)."""
+    """``on_events(n, tail)``: the engine's whole answer was relayed in ``n`` SSE events (one per token
+    and choice, plus a few) ending with ``tail`` (its last block but a lone ``[DONE]``, where the
+    engines put their token counts): what the token charge learns from."""
     stream = _Stream(request, (answer,), metrics, arrived, first_output, lease, on_events)
     if not await stream.start(headers):
         return stream.resp
@@ -252,6 +260,8 @@ async def relay_stream(
             answer.abort(EngineError("the client went away", kind="aborted"))
             return
         stream.events += data.count(b"data:")
+        if len(data) > 16:  # not "data: [DONE]" alone
+            stream.tail = data
         out.write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
         if out.get_write_buffer_size() > WRITE_HIGH:
             answer.pause()

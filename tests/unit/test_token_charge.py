@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdmaster.pipeline import request_tokens
+from pdmaster.pipeline import prompt_tokens_in, request_tokens
 from pdmaster.token_charge import TokenCharge, TokenChargePolicy
 from pdmaster.validation import Limits, parse_chat, parse_completion, parse_generate
 
@@ -75,3 +75,10 @@ def test_the_engines_reserve_is_charged_per_sequence() -> None:
     assert c.charge(1000, 300, sequences=2) == 2 * (1000 + 300 + 512)
     with pytest.raises(ValueError, match="reserve_tokens"):
         TokenChargePolicy(reserve_tokens=-1)
+
+
+def test_the_engines_prompt_count_is_read_from_an_answer() -> None:
+    assert prompt_tokens_in(b'{"usage": {"prompt_tokens": 1234, "completion_tokens": 5}}') == 1234
+    assert prompt_tokens_in(b'data: {"meta_info": {"prompt_tokens":77}}\n\ndata: [DONE]\n\n') == 77
+    assert prompt_tokens_in(b'data: {"choices": []}\n\n') is None
+    assert prompt_tokens_in(b'{"prompt_tokens": "x"}') is None
