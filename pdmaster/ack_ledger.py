@@ -4,7 +4,9 @@ An agent hands a master's share on to another master only once the slots it held
 master's Ack says how many of its slots it *kept* since its previous Ack: leases whose decode request
 had gone out (the engine surely holds them, :meth:`AckLedger.decode_sent`), that still run and whose
 end the master sees (not :meth:`AckLedger.end_unseen`). This ledger counts them per node, exactly
-whatever turned over between two Acks, in O(1) per lease event and per Ack.
+whatever turned over between two Acks, in O(1) per lease event and per Ack. The same holds for the
+KV tokens those leases charge (DESIGN §13): every count has its token twin, and an Ack's kept tokens
+are those of exactly the leases its kept slots count.
 """
 
 from __future__ import annotations
@@ -17,7 +19,16 @@ __all__ = ["AckLedger"]
 class AckLedger:
     """Per node: slots ever granted, in decode, unseen, and the Acks built so far."""
 
-    __slots__ = ("ack_gen", "granted_on", "in_decode", "old", "unseen_on")
+    __slots__ = (
+        "ack_gen",
+        "granted_on",
+        "in_decode",
+        "in_decode_tokens",
+        "kept_tokens",
+        "old",
+        "old_tokens",
+        "unseen_on",
+    )
 
     def __init__(self) -> None:
         # Slots ever granted per node (only grows): what masters of the previous release counted an
@@ -33,6 +44,10 @@ class AckLedger:
         # still are: an Ack's kept_slots, exact whatever turned over in between.
         self.ack_gen: dict[str, int] = {}
         self.old: dict[str, int] = {}
+        # The token twins of in_decode and old.
+        self.in_decode_tokens: dict[str, int] = {}
+        self.old_tokens: dict[str, int] = {}
+        self.kept_tokens: dict[str, int] = {}  # the kept tokens of the node's latest Ack
 
     def granted(self, node: str, slots: int) -> None:
         self.granted_on[node] = self.granted_on.get(node, 0) + slots
@@ -43,22 +58,33 @@ class AckLedger:
         t.sent_gen = self.ack_gen.get(node, 0)
         if not t.unseen:
             self.in_decode[node] = self.in_decode.get(node, 0) + t.slots
+            if t.tokens:
+                self.in_decode_tokens[node] = self.in_decode_tokens.get(node, 0) + t.tokens
 
-    def kept_since(self, node: str, gen: int | None) -> tuple[int, int]:
-        """For an Ack on ``node``: the slots in decode there at the previous Ack (number ``gen``) that
-        still are, and this Ack's number. 0 when ``gen`` is None (a stream's first Ack) or is not the
-        latest (another stream's Ack came in between)."""
+    def kept_since(self, node: str, gen: int | None) -> tuple[int, int, int]:
+        """For an Ack on ``node``: the slots and the tokens in decode there at the previous Ack (number
+        ``gen``) that still are, and this Ack's number. 0 when ``gen`` is None (a stream's first Ack)
+        or is not the latest (another stream's Ack came in between)."""
         latest = self.ack_gen.get(node, 0)
-        kept = self.old.get(node, 0) if gen is not None and gen == latest else 0
+        if gen is not None and gen == latest:
+            kept, kept_tokens = self.old.get(node, 0), self.old_tokens.get(node, 0)
+        else:
+            kept = kept_tokens = 0
         self.ack_gen[node] = latest + 1
         self.old[node] = self.in_decode.get(node, 0)
-        return kept, latest + 1
+        self.old_tokens[node] = self.in_decode_tokens.get(node, 0)
+        self.kept_tokens[node] = kept_tokens
+        return kept, kept_tokens, latest + 1
 
     def _leave_decode(self, t: Ticket, node: str) -> None:
         """A sent lease stops counting as in decode (released, or its end unseen)."""
         self.in_decode[node] -= t.slots
+        if t.tokens:
+            self.in_decode_tokens[node] -= t.tokens
         if t.sent_gen < self.ack_gen.get(node, 0):
             self.old[node] -= t.slots  # it was in decode at the last Ack
+            if t.tokens:
+                self.old_tokens[node] -= t.tokens
 
     def end_unseen(self, t: Ticket, node: str) -> None:
         """The granted, unreleased lease ``t`` on ``node`` is no longer surely seen to end."""
@@ -79,5 +105,14 @@ class AckLedger:
 
     def forget(self, node: str) -> None:
         """Drop everything kept for ``node``."""
-        for per_node in (self.granted_on, self.unseen_on, self.in_decode, self.ack_gen, self.old):
+        for per_node in (
+            self.granted_on,
+            self.unseen_on,
+            self.in_decode,
+            self.ack_gen,
+            self.old,
+            self.in_decode_tokens,
+            self.old_tokens,
+            self.kept_tokens,
+        ):
             per_node.pop(node, None)

@@ -12,9 +12,16 @@ code means to a client (HTTP status, message) is the adapter's business.
 * ``pdmaster.admission_queue``: ordering inside a class (FIFO queues, sessions, eligible heads);
 * ``pdmaster.drr``: fairness between classes (deficit round robin, charged in slots);
 * ``pdmaster.backfill``: the gang DRR picked that does not fit, its backfill budget and reservation;
-* ``pdmaster.placement``: the node ledger (shares, full capacity, active slots, the free-room heap);
+* ``pdmaster.placement``: the node ledger, where capacity is a vector (slot and KV-token shares, full
+  capacity and pools, what the leases hold, the free-room heaps) and where a lease is placed;
 * ``pdmaster.ack_ledger``: strict-handover bookkeeping for the Acks (in decode, unseen, kept);
 * ``pdmaster.wait_estimate``: completion rate, expected wait and the peers' pooled load.
+
+Capacity is a vector (DESIGN §13): a ticket may charge KV tokens beside its slots
+(``submit(..., tokens=)``) and a node may have a token share (``set_shares(..., token_shares=)``); a
+node without one has no token limit. Only placement and the wait estimate look at tokens; DRR stays
+charged in slots, and a ticket that fits no node now in slots *or* tokens is blocked as a gang is
+(backfill, then a reservation).
 
 The cost of a decision does not grow with the queue: what joins and leaves in arrival order (most
 tickets) costs O(1) amortized, the rest O(log n), and nothing scans. Queued *resubmissions*
@@ -35,7 +42,7 @@ while after such a pause, so those ends are seen before anything else is placed 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pdmaster.ack_ledger import AckLedger
@@ -65,6 +72,7 @@ from pdmaster.ticket import (
     QUEUE_FULL,
     RANK,
     TIMEOUT,
+    TOO_MANY_TOKENS,
     UNSATISFIABLE,
     Reason,
     RequestClass,
@@ -89,6 +97,7 @@ __all__ = [
     "QUEUE_FULL",
     "RATE_MIN_RELEASES",
     "TIMEOUT",
+    "TOO_MANY_TOKENS",
     "UNSATISFIABLE",
     "AdmissionCore",
     "AdmissionPolicy",
@@ -141,8 +150,10 @@ class AdmissionCore:
         self._queues: dict[RequestClass, ClassQueue] = {c: ClassQueue(c) for c in CLASS_ORDER}
         self._qlist = [self._queues[c] for c in CLASS_ORDER]  # indexed like CLASS_ORDER
         self._gangs = SizeHeap()  # queued tickets of more than one slot, by slots
+        self._token_heap = SizeHeap()  # queued tickets with a token charge, by tokens
         self._queued_n = 0
         self._queued_slots = 0
+        self._queued_tokens = 0
         self._sessions: dict[str, Session] = {}
         # fairness between classes; the gang DRR picked that does not fit
         self._drr = DeficitRoundRobin(self.policy.weights)
@@ -181,12 +192,41 @@ class AdmissionCore:
     def queued_requests(self) -> int:
         return self._queued_n
 
+    @property
+    def queued_tokens(self) -> int:
+        return self._queued_tokens
+
+    @property
+    def active_tokens(self) -> int:
+        """KV tokens charged by the running leases, on every node."""
+        return self._placement.active_tokens_total
+
+    @property
+    def token_capacity(self) -> int:
+        """Σ token shares (nodes without a pool count nothing here: they have no token limit)."""
+        return self._placement.token_capacity
+
     def active_on(self, node: str) -> int:
         return self._placement.active_on(node)
 
     def share_on(self, node: str) -> int:
         """The share admission may place leases against on ``node`` now."""
         return self._placement.share_on(node)
+
+    def active_tokens_on(self, node: str) -> int:
+        """KV tokens charged by this master's running leases on ``node``."""
+        return self._placement.active_tokens_on(node)
+
+    def token_share_on(self, node: str) -> int | None:
+        """The token share admission may charge leases against on ``node`` now; None: the node has no
+        pool (slots alone limit it)."""
+        return self._placement.token_share_on(node)
+
+    def max_token_pool(self) -> int | None:
+        """The largest whole KV pool of the nodes this master holds a share on (what a request's
+        tokens must not exceed, else ``too_many_tokens``); None: some node has no pool (no limit)."""
+        pl = self._placement
+        return None if pl.token_limit == math.inf else pl.max_tfull
 
     def granted_on(self, node: str) -> int:
         """Slots granted on ``node`` since this core started (only grows)."""
@@ -204,6 +244,10 @@ class AdmissionCore:
         :meth:`end_unseen`. An Ack's kept_slots counts from these."""
         return self._ledger.in_decode.get(node, 0)
 
+    def in_decode_tokens_on(self, node: str) -> int:
+        """The token twin of :meth:`in_decode_on`: KV tokens of those leases."""
+        return self._ledger.in_decode_tokens.get(node, 0)
+
     def decode_sent(self, t: Ticket) -> None:
         """The lease's decode request went out to its engine (with SGLang's protocol right after the
         grant, with vLLM's after the prefill): from now on the engine holds it. Idempotent."""
@@ -216,7 +260,20 @@ class AdmissionCore:
         still are (so never more than :meth:`in_decode_on`, nor than the active slots), and this Ack's
         number. 0 when ``gen`` is None (a stream's first Ack) or is not the
         latest (another stream's Ack came in between)."""
+        kept, _, ack = self._ledger.kept_since(node, gen)
+        return kept, ack
+
+    def kept_vector_since(self, node: str, gen: int | None) -> tuple[int, int, int]:
+        """:meth:`kept_since` with the tokens: (kept slots, kept tokens, this Ack's number). The kept
+        tokens are those of exactly the leases the kept slots count (an Ack's ``kept_tokens``). Either
+        call builds an Ack: call one of them, once per Ack."""
         return self._ledger.kept_since(node, gen)
+
+    def last_kept_tokens(self, node: str) -> int:
+        """The kept tokens of the latest Ack built for ``node`` (by :meth:`kept_since` or
+        :meth:`kept_vector_since`; 0 before any): what an adapter that calls :meth:`kept_since` for
+        the Ack's kept_slots reads right after for its ``kept_tokens``. Builds nothing."""
+        return self._ledger.kept_tokens.get(node, 0)
 
     def end_unseen(self, t: Ticket) -> None:
         """The master stopped reading this lease's answer (a slow client): its decode may end in the
@@ -226,24 +283,29 @@ class AdmissionCore:
             return
         self._ledger.end_unseen(t, t.node)
 
-    def can_start_now(self, slots: int, session_id: str | None = None) -> bool:
-        """Whether a first-time request for ``slots`` would be granted at once: a node has the room,
-        nothing of its session runs or waits here, no gang holds the free slots, no pause hold. (After
-        every call nothing queued fits the free slots, so it would pass no one.)"""
+    def can_start_now(self, slots: int, session_id: str | None = None, tokens: int = 0) -> bool:
+        """Whether a first-time request for ``slots`` (and ``tokens``) would be granted at once: a node
+        has the room, nothing of its session runs or waits here, no gang holds the free slots, no
+        pause hold. (After every call nothing queued fits the free slots, so it would pass no one.)"""
         if self._bypass:
             return True
-        if self._holding or self._bf.reserved or (session_id is not None and session_id in self._sessions):
-            return False
-        free, node = self._top_free()
-        return node is not None and free >= slots
+        return self._start_node(slots, tokens, session_id) is not None
 
-    def waits_for_room(self, slots: int, session_id: str | None = None) -> bool:
-        """Whether a first-time request for ``slots`` would wait here for room alone: no node has it
-        free now (or a gang holds it, or a pause hold), while nothing of its session runs or waits
-        here (a request behind its own session's turn waits for that, wherever it went)."""
+    def _start_node(self, slots: int, tokens: int, session_id: str | None) -> str | None:
+        """The node a first-time request would be granted on at once (see :meth:`can_start_now`)."""
+        if self._holding or self._bf.reserved or (session_id is not None and session_id in self._sessions):
+            return None
+        if self._now < self._hold_until:
+            return None
+        return self._placement.fit(slots, tokens)
+
+    def waits_for_room(self, slots: int, session_id: str | None = None, tokens: int = 0) -> bool:
+        """Whether a first-time request for ``slots`` (and ``tokens``) would wait here for room alone:
+        no node has it free now (or a gang holds it, or a pause hold), while nothing of its session
+        runs or waits here (a request behind its own session's turn waits for that, wherever it went)."""
         if session_id is not None and session_id in self._sessions:
             return False
-        return not self.can_start_now(slots)
+        return not self.can_start_now(slots, None, tokens)
 
     def free_now(self) -> int:
         """The most slots one first-time request could be granted at once (on one node; 0 while a
@@ -293,7 +355,7 @@ class AdmissionCore:
         self._begin()
         if t.state is _QUEUED:
             self._finish(t, _CANCELLED, HANDED_OFF)
-            self._estimate.count_done(t.slots, self._now, handed=True)
+            self._estimate.count_done(t.slots, self._now, handed=True, tokens=t.tokens)
             self._estimate.take_peer_room(t.slots)  # it takes the peers' room it goes to
             self._pump()
         return self._end()
@@ -301,6 +363,10 @@ class AdmissionCore:
     def wanted_slots(self) -> int:
         """Queued demand in slots (what the master reports to agents as ``wanted_slots``)."""
         return self._queued_slots
+
+    def wanted_tokens(self) -> int:
+        """Queued demand in KV tokens (an Ack's ``wanted_tokens``)."""
+        return self._queued_tokens
 
     def forget_node(self, node: str) -> bool:
         """Drop what this core keeps for ``node`` (its Ack bookkeeping) once it holds no share and no
@@ -311,24 +377,16 @@ class AdmissionCore:
         self._ledger.forget(node)
         return True
 
-    def refusal(self, slots: int) -> Reason | None:
-        """Why :meth:`submit` would refuse ``slots`` at once whatever the queue holds (no capacity, or
-        more than any share), or None. Lets an earlier stage refuse before doing work for nothing."""
+    def refusal(self, slots: int, tokens: int = 0) -> Reason | None:
+        """Why :meth:`submit` would refuse ``slots`` (and ``tokens``) at once whatever the queue holds
+        (no capacity, or more than any share or node), or None. Lets an earlier stage refuse before
+        doing work for nothing."""
         if self._bypass:
             return None
-        if slots < 1:
+        if slots < 1 or tokens < 0:
             return self._reason(INVALID)
-        code = self._unplaceable(slots)
+        code = self._placement.refusal_code(slots, tokens)
         return None if code is None else self._reason(code)
-
-    def _unplaceable(self, slots: int) -> str | None:
-        """The code of a refusal whatever the queue holds: no capacity, or more than any share."""
-        pl = self._placement
-        if pl.capacity == 0:
-            return NO_CAPACITY
-        if not pl.fits_a_share(slots):
-            return CANNOT_FIT_NOW if pl.fits_a_node(slots) else UNSATISFIABLE
-        return None
 
     @property
     def held_until(self) -> float:
@@ -392,7 +450,9 @@ class AdmissionCore:
         do, their free room and the slots they serve drain this queue too (hand-offs)."""
         self._estimate.set_peer_load(load, self._clock())
 
-    def expected_wait(self, c: RequestClass, slots: int = 1, now: float | None = None) -> float | None:
+    def expected_wait(
+        self, c: RequestClass, slots: int = 1, now: float | None = None, tokens: int = 0
+    ) -> float | None:
         """Seconds an arrival of class ``c`` needing ``slots`` would wait; None: no estimate yet.
 
         The slots served before it, as DRR would serve them: every queued slot of its own class (FIFO,
@@ -406,8 +466,12 @@ class AdmissionCore:
         With a fresh peer load (:meth:`set_peer_load`) the queues, the free slots and the rate are
         this master's and the peers' summed (the rate without hand-offs, which the peers serve):
         a clump that landed here is judged against the turnover of every master it can move to.
+
+        Where this master holds token shares, the same estimate in tokens (queued tokens, the
+        arrival's ``tokens``, free tokens, tokens released per second; this master's alone) may
+        bind: the larger of the two counts.
         """
-        return self._estimate.expected_wait(c, slots, self._clock() if now is None else now)
+        return self._estimate.expected_wait(c, slots, self._clock() if now is None else now, tokens)
 
     def snapshot(self) -> dict[str, Any]:
         pl = self._placement
@@ -425,6 +489,11 @@ class AdmissionCore:
             "queued_requests": self._queued_n,
             "queued_slots": self._queued_slots,
             "wanted_slots": self._queued_slots,
+            # KV tokens (DESIGN §13): Σ token shares, charged by running leases, queued
+            "token_capacity": pl.token_capacity,
+            "active_tokens": pl.active_tokens_total,
+            "queued_tokens": self._queued_tokens,
+            "wanted_tokens": self._queued_tokens,
             "sessions": len(self._sessions),
             "queued_retries": len(self._retries),
             "placement_held_s": round(max(0.0, self._hold_until - self._clock()), 3),
@@ -435,6 +504,7 @@ class AdmissionCore:
                 c.value: {
                     "queued_requests": self._queues[c].n,
                     "queued_slots": self._queues[c].slots,
+                    "queued_tokens": self._queues[c].tokens,
                     "eligible_heads": self._queues[c].heads_n,
                     "deficit": drr.deficit[c],
                     "weight": self._weights[c],
@@ -449,6 +519,7 @@ class AdmissionCore:
             "backfill": {
                 "gang_ticket": g.id if g else None,
                 "gang_slots": g.slots if g else 0,
+                "gang_tokens": g.tokens if g else 0,
                 "gang_class": g.request_class.value if g else None,
                 "used_slots": bf.used,
                 "budget_slots": bf.budget,
@@ -461,30 +532,50 @@ class AdmissionCore:
     # ------------------------------------------------------------------ commands
 
     def set_shares(
-        self, shares: Mapping[str, int], node_capacity: Mapping[str, int] | None = None
+        self,
+        shares: Mapping[str, int],
+        node_capacity: Mapping[str, int] | None = None,
+        token_shares: Mapping[str, int] | None = None,
+        token_full: Mapping[str, int] | None = None,
     ) -> list[Ticket]:
         """Set this master's share per decode node (nodes absent or 0 take no new work).
 
         ``node_capacity`` is each node's full ``running_max_req_size`` (defaults to the share): it
         decides whether a request that does not fit any share is a 400 (never fits) or a 429.
+        ``token_shares``: this master's share of each node's KV pool, in tokens; a node absent from it
+        has no pool (no token limit there: slots alone). ``token_full``: each node's whole pool
+        (defaults to the token share), which decides between ``too_many_tokens`` (400) and a 429.
         Setting the same effective shares again is a no-op: DRR and backfill state are untouched.
         """
         self._begin()
         check_shares(shares)
+        if token_shares:
+            check_shares(token_shares, "token share")
         changes = {n: int(s) for n, s in shares.items()}
         for node in self._placement.shares:
             changes.setdefault(node, 0)
-        return self._apply_shares(changes, node_capacity)
+        return self._apply_shares(changes, node_capacity, _ints(token_shares), token_full)
 
     def update_shares(
-        self, changes: Mapping[str, int], node_capacity: Mapping[str, int] | None = None
+        self,
+        changes: Mapping[str, int],
+        node_capacity: Mapping[str, int] | None = None,
+        token_shares: Mapping[str, int] | None = None,
+        token_full: Mapping[str, int] | None = None,
     ) -> list[Ticket]:
         """Like :meth:`set_shares` for the nodes in ``changes`` only (0: the node takes no new work);
-        the others keep their shares. O(len(changes)): a master hears of a thousand nodes' changes
-        in small batches."""
+        the others keep their shares. A node in ``changes`` takes its token share from
+        ``token_shares`` (absent: no pool); a node only in ``token_shares`` keeps its slot share and
+        takes the token share. O(len(changes) + len(token_shares)): a master hears of a thousand
+        nodes' changes in small batches."""
         self._begin()
         check_shares(changes)
-        return self._apply_shares({n: int(s) for n, s in changes.items()}, node_capacity)
+        if token_shares:
+            check_shares(token_shares, "token share")
+        ts = _ints(token_shares)
+        return self._apply_shares(
+            {n: int(s) for n, s in changes.items()}, node_capacity, ts, token_full, ts or ()
+        )
 
     def watch_pauses(self, resumed_at: Callable[[float], float], hold_s: float) -> None:
         """Place nothing for ``hold_s`` after this process was found not running for a while.
@@ -524,10 +615,15 @@ class AdmissionCore:
         return math.floor(self.policy.queue_waves * max(held, even) + 1e-9)
 
     def _apply_shares(
-        self, changes: Mapping[str, int], node_capacity: Mapping[str, int] | None
+        self,
+        changes: Mapping[str, int],
+        node_capacity: Mapping[str, int] | None,
+        token_shares: Mapping[str, int] | None = None,
+        token_full: Mapping[str, int] | None = None,
+        token_nodes: Iterable[str] = (),
     ) -> list[Ticket]:
         pl = self._placement
-        if not pl.apply(changes, node_capacity):
+        if not pl.apply(changes, node_capacity, token_shares, token_full, token_nodes):
             return self._end()
         self._bound = self._queue_bound()
         self._bf.budget = math.floor(self.policy.backfill_waves * pl.capacity + 1e-9)
@@ -539,8 +635,10 @@ class AdmissionCore:
                         self._finish(t, _REJECTED, NO_CAPACITY)
             else:
                 for t in self._gangs.over(pl.max_share):
-                    code = CANNOT_FIT_NOW if pl.fits_a_node(t.slots) else UNSATISFIABLE
-                    self._finish(t, _REJECTED, code)
+                    self._finish(t, _REJECTED, pl.refusal_code(t.slots, t.tokens) or CANNOT_FIT_NOW)
+                # a token share shrinks like a slot share: what no longer fits any fails
+                for t in self._token_heap.over(pl.token_limit):
+                    self._finish(t, _REJECTED, pl.refusal_code(t.slots, t.tokens) or CANNOT_FIT_NOW)
                 self._trim(self._bound)
         self._pump()
         return self._end()
@@ -555,8 +653,16 @@ class AdmissionCore:
         deadline: float | None = None,
         lead_s: float = 0.0,
         at_once: bool = False,
+        tokens: int = 0,
     ) -> Ticket:
         """Ask for ``slots`` slots on one node. The ticket comes back granted, queued or rejected.
+
+        ``tokens``: the request's KV-token charge (DESIGN §13; 0: none). It is placed only where its
+        tokens fit this master's token share too (a node without a pool: slots alone), refused with
+        ``too_many_tokens`` when they exceed every node's whole pool, and otherwise handled like a
+        gang: ``cannot_fit_now`` when no share could hold it now, queued (blocked, backfilled past,
+        reserved for) when the shares could but the room is not free. A resubmission passes its
+        tokens again.
 
         ``at_once``: granted now or refused now (``expected_wait``), never queued: a request another
         master spilled here (pdmaster/spill.py) takes only room this master has now, and never waits
@@ -577,30 +683,32 @@ class AdmissionCore:
         now = self._now
         self._seq += 1
         n = int(slots)
+        k = int(tokens)
         rc = request_class if type(request_class) is RequestClass else RequestClass(request_class)
         resubmit = bool(avoid) or deadline is not None
-        t = Ticket(self._seq, n, rc, None if resubmit else session_id, now)
+        t = Ticket(self._seq, n, rc, None if resubmit else session_id, now, k if k > 0 else 0)
         if avoid:
             t.avoid = avoid
-        if n < 1 or n != slots:
+        if n < 1 or n != slots or k < 0 or k != tokens:
             return self._refuse(t, INVALID)
-        if self._bypass:
-            _, node = self._free_for(t)
+        pl = self._placement
+        if self._bypass:  # no limit to keep, in slots or tokens
+            _, node = pl.top_free_avoiding(avoid) if avoid else pl.top_free()
             if node is None:
-                _, node = self._top_free()  # no limit to keep: somewhere rather than nowhere
+                _, node = pl.top_free()  # somewhere rather than nowhere
             self._grant_new(t, node)
             self._end()
             return t
-        pl = self._placement
-        if pl.capacity == 0 or n > pl.max_share:
-            return self._refuse(t, self._unplaceable(n) or INVALID)
+        if pl.capacity == 0 or n > pl.max_share or k > pl.token_limit:
+            return self._refuse(t, pl.refusal_code(n, k) or INVALID)
         if resubmit:
             return self._resubmit(t, now + self._waits[rc] if deadline is None else deadline)
         s = self._sessions.get(session_id) if session_id is not None else None
         if at_once:
-            if not self.can_start_now(t.slots, session_id):
+            node = self._start_node(n, k, session_id)
+            if node is None:
                 return self._refuse(t, EXPECTED_WAIT, self._retry_hint(0.0))
-            self._grant_new(t, self._top_free()[1])
+            self._grant_new(t, node)
             self._end()
             return t
         target = self._targets[rc]
@@ -612,9 +720,9 @@ class AdmissionCore:
             - self._estimate.pooled_bound(self._bound, self.policy.queue_waves, self._now)
         )
         if overflow > 0:
-            free, node = self._top_free()
             bf = self._bf
-            if s is None and not bf.reserved and free >= t.slots:
+            node = self._fit(t) if s is None and not bf.reserved else None
+            if node is not None:
                 # Idle fill. After every call the queue is stable: nothing queued fits now (or the
                 # blocked gang is being backfilled), so these slots would otherwise stay idle.
                 if bf.gang is None:
@@ -643,13 +751,11 @@ class AdmissionCore:
     def _over_target(self, t: Ticket, s: Session | None, target: float, lead_s: float) -> float | None:
         """The arrival's expected wait (plus ``lead_s``) when that exceeds ``target`` and it could not
         run right now."""
-        if s is None and not self._bf.reserved:
-            free, node = self._top_free()
-            if node is not None and free >= t.slots:
-                # After every call nothing queued fits the free slots (or a gang is being backfilled),
-                # so this arrival runs at once: never refuse it.
-                return None
-        wait = self.expected_wait(t.request_class, t.slots, self._now)
+        if s is None and not self._bf.reserved and self._fit(t) is not None:
+            # After every call nothing queued fits the free slots (or a gang is being backfilled),
+            # so this arrival runs at once: never refuse it.
+            return None
+        wait = self.expected_wait(t.request_class, t.slots, self._now, t.tokens)
         if wait is not None:
             wait += self.later_wait_s + lead_s
         return wait if wait is not None and wait > target else None
@@ -660,8 +766,8 @@ class AdmissionCore:
 
     def _resubmit(self, t: Ticket, deadline: float) -> Ticket:
         t.deadline = deadline  # kept even when granted at once, so a further retry carries it on
-        free, node = self._free_for(t)
-        if node is not None and free >= t.slots:
+        node = self._fit(t)
+        if node is not None:
             # The queue is stable (no resubmission fits anywhere it may go), so nothing is overtaken.
             self._place(t, node, t.enqueued_at)
             self._end()
@@ -682,13 +788,15 @@ class AdmissionCore:
                     overflow -= v.slots
                     self._finish(v, _EVICTED, EVICTED)
         q = self._queues[t.request_class]
-        q.n += 1
-        q.slots += t.slots
+        q.count(t)
         q.add_moved(t)  # its deadline is out of arrival order
         self._queued_n += 1
         self._queued_slots += t.slots
         if t.slots > 1:
             self._gangs.push(t.slots, t)
+        if t.tokens:
+            self._queued_tokens += t.tokens
+            self._token_heap.push(t.tokens, t)
         t._loc = _RETRY
         self._retries.append(t)
         self._pump()  # an eviction may have ended a reservation
@@ -703,11 +811,11 @@ class AdmissionCore:
         t.released = True
         now = self._now
         t.ended_at = now
-        self._estimate.released(t.slots, now, None if t.granted_at is None else now - t.granted_at)
+        self._estimate.released(t.slots, now, None if t.granted_at is None else now - t.granted_at, t.tokens)
         node = t.node
         if node is not None and (t.sent or t.unseen):
             self._ledger.released(t, node)
-        self._placement.give_back(node, t.slots)
+        self._placement.give_back(node, t.slots, t.tokens)
         if t.session_id is not None:
             s = self._sessions.get(t.session_id)
             if s is not None and s.active is t:
@@ -790,11 +898,11 @@ class AdmissionCore:
             return 0, None
         return self._placement.top_free()
 
-    def _free_for(self, t: Ticket) -> tuple[int, str | None]:
+    def _fit(self, t: Ticket) -> str | None:
+        """The node ``t`` is placed on now (never one it avoids), or None (no room, or a hold)."""
         if self._now < self._hold_until:
-            return 0, None
-        pl = self._placement
-        return pl.top_free_avoiding(t.avoid) if t.avoid else pl.top_free()
+            return None
+        return self._placement.fit(t.slots, t.tokens, t.avoid)
 
     def _enqueue(self, t: Ticket, s: Session | None, now: float, lead_s: float = 0.0) -> None:
         c = t.request_class
@@ -810,6 +918,9 @@ class AdmissionCore:
         q.add(t)
         if t.slots > 1:
             self._gangs.push(t.slots, t)
+        if t.tokens:
+            self._queued_tokens += t.tokens
+            self._token_heap.push(t.tokens, t)
         if t.session_id is None:
             q.push_head(t)
             return
@@ -840,6 +951,9 @@ class AdmissionCore:
         self._queued_slots -= t.slots
         if t.slots > 1:
             self._gangs.n -= 1
+        if t.tokens:
+            self._queued_tokens -= t.tokens
+            self._token_heap.n -= 1
         loc = t._loc
         t._loc = _NOWHERE
         if loc == _HEAD:
@@ -871,7 +985,7 @@ class AdmissionCore:
         t.granted_at = now
         if node is not None:
             self._ledger.granted(node, t.slots)
-        self._placement.take(node, t.slots)
+        self._placement.take(node, t.slots, t.tokens)
         self._outcomes[t.request_class][GRANTED] += 1
         self._changes.append(t)
 
@@ -921,8 +1035,7 @@ class AdmissionCore:
         t.request_class = c
         old.remove(t)
         t.deadline = max(t.deadline, t.enqueued_at + self._waits[c])
-        new.n += 1
-        new.slots += t.slots
+        new.count(t)
         new.add_moved(t)
         if t._loc == _HEAD:
             old.drop_head(t)
@@ -933,8 +1046,8 @@ class AdmissionCore:
     def _grant_retry(self) -> bool:
         """Grant the oldest queued resubmission that has room on a node it does not avoid."""
         for t in self._retries:
-            free, node = self._free_for(t)
-            if node is not None and free >= t.slots:
+            node = self._fit(t)
+            if node is not None:
                 self._grant(t, node)  # not charged: it paid for its turn when first granted
                 return True
         return False
@@ -945,7 +1058,9 @@ class AdmissionCore:
         bf = self._bf
         drr = self._drr
         qlist = self._qlist
-        top_free = self._placement.top_free
+        pl = self._placement
+        top_free = pl.top_free
+        fit = pl.fit
         while self._queued_n:
             if self._now < self._hold_until:
                 return
@@ -954,11 +1069,20 @@ class AdmissionCore:
                 return
             if self._retries and self._grant_retry():
                 continue
+            # Without pools the node with the most free slots is the only one worth checking; with
+            # them, placement weighs tokens (Placement.fit).
+            pooled = bool(pl.tshares)
             g = bf.gang
             if g is not None:
-                if g.slots <= free:
+                if not pooled:
+                    gnode = node if g.slots <= free else None
+                elif bf.gang_miss == pl.ver:
+                    gnode = None  # nothing changed since it last found no node
+                elif (gnode := fit(g.slots, g.tokens)) is None:
+                    bf.gang_miss = pl.ver
+                if gnode is not None:
                     drr.charge(g.request_class, g.slots)
-                    self._grant(g, node)  # clears the backfill state
+                    self._grant(g, gnode)  # clears the backfill state
                     continue
                 if bf.reserved:
                     return  # freed slots wait for the gang
@@ -970,9 +1094,20 @@ class AdmissionCore:
                 if pick is None:
                     return
                 t, lone = pick
+                if pooled:
+                    if bf.cand_miss == (t.id, pl.ver):
+                        return  # nothing changed since it last found no node
+                    tnode = fit(t.slots, t.tokens)
+                    if tnode is None:
+                        bf.cand_miss = (t.id, pl.ver)
+                        return  # its tokens do not fit now either: wait for the next change
+                    node = tnode
                 self._queues[t.request_class].take_head(t)
                 drr.charge(t.request_class, t.slots, lone)
+                miss = bf.gang_miss == pl.ver
                 self._grant(t, node)
+                if miss:
+                    bf.gang_miss = pl.ver  # a grant only takes room: the gang fits no better
                 bf.spend(t.slots)
                 continue
             pick = drr.pick(qlist, None, None)
@@ -980,10 +1115,16 @@ class AdmissionCore:
                 return
             t, lone = pick
             self._queues[t.request_class].take_head(t)
-            if t.slots <= free:
+            tnode = fit(t.slots, t.tokens) if pooled else (node if t.slots <= free else None)
+            if tnode is not None:
                 drr.charge(t.request_class, t.slots, lone)
-                self._grant(t, node)
+                self._grant(t, tnode)
                 continue
-            # DRR chose a gang that does not fit: later requests may backfill, within a budget.
+            # DRR chose a request that does not fit now (a gang, or tokens): later requests may
+            # backfill, within a budget.
             t._loc = _GANG
             bf.block(t)
+
+
+def _ints(m: Mapping[str, int] | None) -> dict[str, int] | None:
+    return None if m is None else {n: int(v) for n, v in m.items()}

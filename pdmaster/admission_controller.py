@@ -31,6 +31,7 @@ from pdmaster.admission import (
     OUTCOMES,
     QUEUE_FULL,
     TIMEOUT,
+    TOO_MANY_TOKENS,
     UNSATISFIABLE,
     AdmissionCore,
     AdmissionPolicy,
@@ -64,8 +65,9 @@ MESSAGES: dict[str, str] = {
     INVALID: "invalid slot count",
     EXPECTED_WAIT: "expected wait for decode capacity exceeds the target wait; retry after Retry-After",
     HANDED_OFF: "handed to another master's free decode capacity",
+    TOO_MANY_TOKENS: "request needs more KV tokens than any decode node's pool holds",
 }
-HTTP_STATUS: dict[str, int] = {UNSATISFIABLE: 400, INVALID: 400, NO_CAPACITY: 503}
+HTTP_STATUS: dict[str, int] = {UNSATISFIABLE: 400, INVALID: 400, NO_CAPACITY: 503, TOO_MANY_TOKENS: 400}
 
 
 class AdmissionRejected(Exception):
@@ -87,11 +89,14 @@ class AdmissionRejected(Exception):
         self.request_class = request_class
 
     @classmethod
-    def from_ticket(cls, t: Ticket) -> AdmissionRejected:
+    def from_ticket(cls, t: Ticket, token_limit: int | None = None) -> AdmissionRejected:
+        """``token_limit``: the largest node pool, named in a ``too_many_tokens`` message."""
         r = t.reason
         if r is None:  # defensive: a non-granted ticket always carries a reason
             return cls("unknown", f"ticket ended as {t.state.value}", 503, 1.0, t.request_class)
         message = MESSAGES.get(r.code, r.code)
+        if r.code == TOO_MANY_TOKENS and token_limit is not None:
+            message = f"{message}: {t.tokens} KV tokens requested, at most {token_limit}"
         return cls(r.code, message, HTTP_STATUS.get(r.code, 429), r.retry_after_s, t.request_class)
 
     @property
@@ -154,14 +159,19 @@ class Lease:
         it unseen, so it no longer counts in kept_slots (``AdmissionCore.end_unseen``)."""
         self._controller.core.end_unseen(self.ticket)
 
+    @property
+    def tokens(self) -> int:
+        """The KV tokens this lease charges on its node (0: none)."""
+        return self.ticket.tokens
+
     def __repr__(self) -> str:
         t = self.ticket
-        return f"Lease(node={self.node}, slots={t.slots}, class={t.request_class.name})"
+        return f"Lease(node={self.node}, slots={t.slots}, tokens={t.tokens}, class={t.request_class.name})"
 
 
 class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
     # A plain class rather than @asynccontextmanager: no generator frame kept alive per waiter.
-    __slots__ = ("_args", "_at_once", "_avoid", "_controller", "_deadline", "_lead_s", "_lease")
+    __slots__ = ("_args", "_at_once", "_avoid", "_controller", "_deadline", "_lead_s", "_lease", "_tokens")
 
     def __init__(
         self,
@@ -173,8 +183,10 @@ class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
         deadline: float | None,
         lead_s: float = 0.0,
         at_once: bool = False,
+        tokens: int = 0,
     ) -> None:
         self._at_once = at_once
+        self._tokens = tokens
         self._controller = controller
         self._args = (slots, request_class, session_id)
         self._avoid = avoid
@@ -189,6 +201,7 @@ class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
             deadline=self._deadline,
             lead_s=self._lead_s,
             at_once=self._at_once,
+            tokens=self._tokens,
         )
         return self._lease
 
@@ -250,14 +263,16 @@ class AdmissionController:
         deadline: float | None = None,
         lead_s: float = 0.0,
         at_once: bool = False,
+        tokens: int = 0,
     ) -> contextlib.AbstractAsyncContextManager[Lease]:
         """``async with controller.acquire(n, cls, session) as lease:`` — the lease is released on exit.
 
         A retry passes the nodes that failed it (``avoid``) and the first lease's ``deadline``, a
-        target that counts the prefill the request's expected ``lead_s``, and a request that takes
-        only room free now ``at_once``: see ``AdmissionCore.submit``.
+        target that counts the prefill the request's expected ``lead_s``, a request that takes
+        only room free now ``at_once``, and a request's KV-token charge ``tokens`` (a retry passes
+        it again): see ``AdmissionCore.submit``.
         """
-        return _LeaseContext(self, slots, request_class, session_id, avoid, deadline, lead_s, at_once)
+        return _LeaseContext(self, slots, request_class, session_id, avoid, deadline, lead_s, at_once, tokens)
 
     async def acquire_lease(
         self,
@@ -269,11 +284,19 @@ class AdmissionController:
         deadline: float | None = None,
         lead_s: float = 0.0,
         at_once: bool = False,
+        tokens: int = 0,
     ) -> Lease:
         """Wait for a lease; the caller must release it (prefer ``acquire``)."""
         core = self.core
         t = core.submit(
-            slots, request_class, session_id, avoid=avoid, deadline=deadline, lead_s=lead_s, at_once=at_once
+            slots,
+            request_class,
+            session_id,
+            avoid=avoid,
+            deadline=deadline,
+            lead_s=lead_s,
+            at_once=at_once,
+            tokens=tokens,
         )
         queued = t.state is TicketState.QUEUED
         self._apply(core.last_changes, t if queued else None)
@@ -297,17 +320,29 @@ class AdmissionController:
         peer = self._handed.pop(t.id, None)
         if peer is not None:
             raise HandedOff(peer, t.deadline, t.wait_s or 0.0, t.request_class)
-        raise AdmissionRejected.from_ticket(t)
+        raise AdmissionRejected.from_ticket(t, core.max_token_pool())
 
-    def set_shares(self, shares: Mapping[str, int], node_capacity: Mapping[str, int] | None = None) -> None:
-        """This master's share per decode node; equal effective shares are a no-op."""
-        self._apply(self.core.set_shares(shares, node_capacity))
+    def set_shares(
+        self,
+        shares: Mapping[str, int],
+        node_capacity: Mapping[str, int] | None = None,
+        token_shares: Mapping[str, int] | None = None,
+        token_full: Mapping[str, int] | None = None,
+    ) -> None:
+        """This master's share per decode node, in slots and (nodes with a KV pool) tokens; equal
+        effective shares are a no-op (``AdmissionCore.set_shares``)."""
+        self._apply(self.core.set_shares(shares, node_capacity, token_shares, token_full))
 
     def update_shares(
-        self, changes: Mapping[str, int], node_capacity: Mapping[str, int] | None = None
+        self,
+        changes: Mapping[str, int],
+        node_capacity: Mapping[str, int] | None = None,
+        token_shares: Mapping[str, int] | None = None,
+        token_full: Mapping[str, int] | None = None,
     ) -> None:
-        """The shares of the nodes in ``changes`` only (0: no new work there); O(len(changes))."""
-        self._apply(self.core.update_shares(changes, node_capacity))
+        """The shares of the nodes in ``changes`` (0: no new work there) and ``token_shares`` only
+        (``AdmissionCore.update_shares``); O(len(changes) + len(token_shares))."""
+        self._apply(self.core.update_shares(changes, node_capacity, token_shares, token_full))
 
     def watch_pauses(self, resumed_at: Callable[[float], float], hold_s: float) -> None:
         """Place nothing for ``hold_s`` after a pause of this process (``AdmissionCore.watch_pauses``;
@@ -356,9 +391,18 @@ class AdmissionController:
     def wanted_slots(self) -> int:
         return self.core.wanted_slots()
 
-    def waits_for_room(self, slots: int, session_id: str | None = None) -> bool:
+    def active_tokens_on(self, node: str) -> int:
+        return self.core.active_tokens_on(node)
+
+    def token_share_on(self, node: str) -> int | None:
+        return self.core.token_share_on(node)
+
+    def wanted_tokens(self) -> int:
+        return self.core.wanted_tokens()
+
+    def waits_for_room(self, slots: int, session_id: str | None = None, tokens: int = 0) -> bool:
         """``AdmissionCore.waits_for_room``."""
-        return self.core.waits_for_room(slots, session_id)
+        return self.core.waits_for_room(slots, session_id, tokens)
 
     def misses_target(self, request_class: RequestClass, lead_s: float) -> bool:
         """``AdmissionCore.misses_target``."""

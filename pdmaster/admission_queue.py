@@ -133,34 +133,50 @@ class ClassQueue:
         "cls",
         "heads",
         "heads_n",
+        "memo",
+        "memo_k",
         "moved_by_deadline",
         "moved_newest",
         "n",
         "sizes",
         "slots",
+        "tokens",
     )
 
     def __init__(self, cls: RequestClass) -> None:
         self.cls = cls
         self.n = 0  # queued tickets
         self.slots = 0  # their slots
+        self.tokens = 0  # their KV tokens
         self.arrivals: deque[Ticket] = deque()
         self.moved_by_deadline: list[tuple[float, int, Ticket]] = []
         self.moved_newest: list[tuple[int, Ticket]] = []  # (-id, ticket)
         self.heads: dict[int, Heads] = {}  # slot count -> eligible heads of that size
         self.sizes: list[int] = []  # sorted slot counts with at least one live head
         self.heads_n = 0
+        # peek_head's last answer, for the smallest ``memo_k`` sizes (-1: none); any change of the
+        # heads forgets it. DRR asks again and again while nothing changes (a blocked gang's backfill).
+        self.memo_k = -1
+        self.memo: Ticket | None = None
 
     # --- membership
 
     def add(self, t: Ticket) -> None:
         self.n += 1
         self.slots += t.slots
+        self.tokens += t.tokens
         a = self.arrivals
         if a and a[-1].deadline > t.deadline:  # only a clock that went back gets here
             self.add_moved(t)
         else:
             a.append(t)
+
+    def count(self, t: Ticket) -> None:
+        """``t`` joins the class out of arrival order (promotion, resubmission): count it, then
+        :meth:`add_moved`."""
+        self.n += 1
+        self.slots += t.slots
+        self.tokens += t.tokens
 
     def add_moved(self, t: Ticket) -> None:
         """``t`` joins out of arrival order (promotion): it goes to the side heaps."""
@@ -171,6 +187,7 @@ class ClassQueue:
         """``t`` left the class (its state or class already changed); its entries go lazily."""
         self.n -= 1
         self.slots -= t.slots
+        self.tokens -= t.tokens
         a = self.arrivals
         c = self.cls
         # grants mostly take the oldest: trimming the front here keeps the deque short for free
@@ -219,6 +236,7 @@ class ClassQueue:
     def push_head(self, t: Ticket) -> None:
         t._loc = _HEAD
         self.heads_n += 1
+        self.memo_k = -1
         n = t.slots
         h = self.heads.get(n)
         if h is None:
@@ -230,6 +248,7 @@ class ClassQueue:
     def take_head(self, t: Ticket) -> None:
         """Take ``t``, which ``peek_head`` just returned, off the eligible heads."""
         self.heads_n -= 1
+        self.memo_k = -1
         t._loc = _NOWHERE
         h = self.heads[t.slots]
         h.pop(t)
@@ -239,6 +258,7 @@ class ClassQueue:
     def drop_head(self, t: Ticket) -> None:
         """``t`` stops being a head where it is (it ended, or moved to another class)."""
         self.heads_n -= 1
+        self.memo_k = -1
         h = self.heads[t.slots]
         h.drop()
         if not h.n:
@@ -246,12 +266,18 @@ class ClassQueue:
 
     def peek_head(self, limit: int | None) -> Ticket | None:
         """The oldest eligible head needing at most ``limit`` slots."""
+        sizes = self.sizes
+        if not sizes:
+            return None
+        k = len(sizes) if limit is None or sizes[-1] <= limit else bisect.bisect_right(sizes, limit)
+        if k == self.memo_k:
+            return self.memo
         best: Ticket | None = None
         heads = self.heads
-        for n in self.sizes:
-            if limit is not None and n > limit:
-                break
-            t = heads[n].peek()
+        for i in range(k):
+            t = heads[sizes[i]].peek()
             if best is None or t.id < best.id:
                 best = t
+        self.memo_k = k
+        self.memo = best
         return best

@@ -22,19 +22,25 @@ _QUEUED = TicketState.QUEUED
 class Backfill:
     """The blocked gang, if any, the backfill budget it grants the others, and its reservation."""
 
-    __slots__ = ("budget", "gang", "reserved", "used")
+    __slots__ = ("budget", "cand_miss", "gang", "gang_miss", "reserved", "used")
 
     def __init__(self) -> None:
         self.gang: Ticket | None = None
         self.used = 0  # slots backfilled past the gang so far
         self.reserved = False  # nothing more bypasses the gang
         self.budget = 0  # slots that may backfill past a gang (backfill_waves x capacity)
+        # The placement version at which the gang, and (ticket id, version) at which the backfill
+        # candidate DRR chose, last found no node: until the placement changes, asking again would
+        # find none again (pdmaster.placement: only with pools, where a look costs more).
+        self.gang_miss = -1
+        self.cand_miss = (0, -1)
 
     def block(self, t: Ticket) -> None:
         """``t``, picked by DRR, does not fit: later requests may backfill within the budget."""
         self.gang = t
         self.used = 0
         self.reserved = self.budget <= 0
+        self.gang_miss = -1
 
     def remaining(self) -> int:
         return self.budget - self.used
@@ -49,6 +55,7 @@ class Backfill:
         self.gang = None
         self.used = 0
         self.reserved = False
+        self.gang_miss = -1
 
 
 class SizeHeap:
@@ -71,7 +78,7 @@ class SizeHeap:
             self.heap = [e for e in self.heap if e[2].state is _QUEUED]
             heapq.heapify(self.heap)
 
-    def over(self, limit: int) -> Iterator[Ticket]:
+    def over(self, limit: float) -> Iterator[Ticket]:
         """Pop and yield the queued tickets larger than ``limit``, largest first. The caller takes
         each one out of the queue before asking for the next."""
         h = self.heap

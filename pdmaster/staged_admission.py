@@ -194,6 +194,7 @@ class StagedAdmission(AdmissionController):
         deadline: float | None = None,
         lead_s: float = 0.0,
         at_once: bool = False,
+        tokens: int = 0,
     ) -> contextlib.AbstractAsyncContextManager[Lease]:
         """``async with admission.acquire(...) as gate_pass``: the first stage (see the module)."""
         return _PassContext(
@@ -203,6 +204,7 @@ class StagedAdmission(AdmissionController):
             deadline=deadline,
             lead_s=lead_s,
             at_once=at_once,
+            tokens=tokens,
         )
 
     async def acquire_pass(
@@ -215,9 +217,12 @@ class StagedAdmission(AdmissionController):
         deadline: float | None = None,
         lead_s: float = 0.0,
         at_once: bool = False,
+        tokens: int = 0,
     ) -> GatePass:
-        """A gate pass, or AdmissionRejected; refused at once what the decode stage would refuse."""
-        reason = self.core.refusal(slots)
+        """A gate pass, or AdmissionRejected; refused at once what the decode stage would refuse.
+        ``tokens``: the request's KV-token charge, taken by its decode lease (the gate's pseudo node
+        has no pool: there it only counts as demand)."""
+        reason = self.core.refusal(slots, tokens)
         if reason is not None:
             assert self.gate is not None
             self.gate.metrics.outcome[(request_class, reason.code)].inc()
@@ -233,21 +238,34 @@ class StagedAdmission(AdmissionController):
         # its deadline, which makes it a resubmission there too.
         return GatePass(
             await self.gate.acquire_lease(
-                slots, request_class, session_id, deadline=deadline, lead_s=lead_s, at_once=at_once
+                slots,
+                request_class,
+                session_id,
+                deadline=deadline,
+                lead_s=lead_s,
+                at_once=at_once,
+                tokens=tokens,
             )
         )
 
     async def acquire_decode(
-        self, gate_pass: Lease, slots: int, request_class: RequestClass, avoid: frozenset[str] = frozenset()
+        self,
+        gate_pass: Lease,
+        slots: int,
+        request_class: RequestClass,
+        avoid: frozenset[str] = frozenset(),
+        tokens: int | None = None,
     ) -> StagedLease:
-        """The decode lease for a request holding ``gate_pass`` (from ``acquire``): released with it."""
+        """The decode lease for a request holding ``gate_pass`` (from ``acquire``): released with it.
+        ``tokens``: its KV-token charge (None: the one its pass was asked with)."""
         if not isinstance(gate_pass, GatePass) or gate_pass.decode is not None:
             raise ValueError("acquire_decode needs a gate pass from acquire() without a decode lease")
         prefill_s = self._clock() - (gate_pass.ticket.granted_at or 0.0)
         m = self.prefill_mean_s
         self.prefill_mean_s = prefill_s if m is None else m + PREFILL_TIME_WEIGHT * (prefill_s - m)
         self._resize_gate()
-        lease = await self.acquire_lease(slots, request_class, None, avoid=avoid)
+        charge = gate_pass.ticket.tokens if tokens is None else tokens
+        lease = await self.acquire_lease(slots, request_class, None, avoid=avoid, tokens=charge)
         assert self.gate is not None
         # The gate's target wait bounds the whole wait, so it hears what the decode stage adds.
         gate = self.gate.core
@@ -256,14 +274,24 @@ class StagedAdmission(AdmissionController):
 
     # ------------------------------------------------------------------ shares and the gate's size
 
-    def set_shares(self, shares: Mapping[str, int], node_capacity: Mapping[str, int] | None = None) -> None:
-        super().set_shares(shares, node_capacity)
+    def set_shares(
+        self,
+        shares: Mapping[str, int],
+        node_capacity: Mapping[str, int] | None = None,
+        token_shares: Mapping[str, int] | None = None,
+        token_full: Mapping[str, int] | None = None,
+    ) -> None:
+        super().set_shares(shares, node_capacity, token_shares, token_full)
         self._resize_gate()
 
     def update_shares(
-        self, changes: Mapping[str, int], node_capacity: Mapping[str, int] | None = None
+        self,
+        changes: Mapping[str, int],
+        node_capacity: Mapping[str, int] | None = None,
+        token_shares: Mapping[str, int] | None = None,
+        token_full: Mapping[str, int] | None = None,
     ) -> None:
-        super().update_shares(changes, node_capacity)
+        super().update_shares(changes, node_capacity, token_shares, token_full)
         self._resize_gate()
 
     def lookahead_slots(self) -> int:
@@ -301,9 +329,13 @@ class StagedAdmission(AdmissionController):
         assert self.gate is not None
         return self.gate.wanted_slots() + self.core.wanted_slots()
 
-    def waits_for_room(self, slots: int, session_id: str | None = None) -> bool:
+    def wanted_tokens(self) -> int:
+        assert self.gate is not None
+        return self.gate.wanted_tokens() + self.core.wanted_tokens()
+
+    def waits_for_room(self, slots: int, session_id: str | None = None, tokens: int = 0) -> bool:
         assert self.gate is not None  # the first stage is where a request waits
-        return self.gate.waits_for_room(slots, session_id)
+        return self.gate.waits_for_room(slots, session_id, tokens)
 
     def misses_target(self, request_class: RequestClass, lead_s: float) -> bool:
         assert self.gate is not None  # the gate judges the target

@@ -23,6 +23,7 @@ __all__ = [
     "OUTCOMES",
     "QUEUE_FULL",
     "TIMEOUT",
+    "TOO_MANY_TOKENS",
     "UNSATISFIABLE",
     "Reason",
     "RequestClass",
@@ -68,6 +69,7 @@ CANNOT_FIT_NOW = "cannot_fit_now"
 INVALID = "invalid"
 EXPECTED_WAIT = "expected_wait"  # refused at once: its expected wait exceeds its class's target
 HANDED_OFF = "handed_off"  # left the queue for a peer master's free room (pdmaster/spill.py)
+TOO_MANY_TOKENS = "too_many_tokens"  # its KV-token charge exceeds every decode node's whole pool
 OUTCOMES: tuple[str, ...] = (
     GRANTED,
     QUEUE_FULL,
@@ -80,9 +82,10 @@ OUTCOMES: tuple[str, ...] = (
     INVALID,
     EXPECTED_WAIT,
     HANDED_OFF,
+    TOO_MANY_TOKENS,
 )
 # Codes that no retry can change (no retry hint).
-FINAL_CODES = frozenset((UNSATISFIABLE, INVALID))
+FINAL_CODES = frozenset((UNSATISFIABLE, INVALID, TOO_MANY_TOKENS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +106,8 @@ NO_AVOID: frozenset[str] = frozenset()
 
 
 class Ticket:
-    """One request's claim on ``slots`` decode slots on a single node. The admission core mutates it
-    in place."""
+    """One request's claim on ``slots`` decode slots and ``tokens`` KV tokens (its charge against the
+    node's pool, DESIGN §13; 0: none) on a single node. The admission core mutates it in place."""
 
     __slots__ = (
         "_loc",
@@ -123,14 +126,22 @@ class Ticket:
         "session_id",
         "slots",
         "state",
+        "tokens",
         "unseen",
     )
 
     def __init__(
-        self, tid: int, slots: int, request_class: RequestClass, session_id: str | None, now: float
+        self,
+        tid: int,
+        slots: int,
+        request_class: RequestClass,
+        session_id: str | None,
+        now: float,
+        tokens: int = 0,
     ) -> None:
         self.id = tid  # also the arrival order
         self.slots = slots
+        self.tokens = tokens
         self.request_class = request_class
         self.session_id = session_id
         self.state = TicketState.QUEUED
@@ -160,7 +171,8 @@ class Ticket:
 
     def __repr__(self) -> str:
         extra = f" node={self.node}" if self.node else (f" reason={self.reason.code}" if self.reason else "")
+        tok = f" tokens={self.tokens}" if self.tokens else ""
         return (
-            f"Ticket(#{self.id} {self.request_class.name} n={self.slots} "
+            f"Ticket(#{self.id} {self.request_class.name} n={self.slots}{tok} "
             f"session={self.session_id} {self.state.value}{extra})"
         )

@@ -4,6 +4,11 @@ An arrival's expected wait is the slots served before it over the rate slots are
 fresh load pooled from the peer masters (:class:`PeerLoad`, ``pdmaster.spill``) it is judged over
 this master and those peers together. Everything here is O(1) per event: running totals and a
 decayed count, never a list of releases or a scan of the queue.
+
+Where nodes publish KV pools (DESIGN §13) tokens may bind before slots: the same estimate is made in
+tokens (the queued tokens DRR serves first, plus the arrival's, less the free tokens of this master's
+token shares, over the tokens released per second) and the larger of the two is the expected wait.
+The peers report no tokens: the token estimate is this master's alone.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class WaitEstimate:
         "_placement",
         "_queues",
         "_tau",
+        "_tok_sum",
         "_weights",
         "done_n",
         "hold_ewma",
@@ -87,6 +93,7 @@ class WaitEstimate:
         # not a list: O(1) per release and per estimate).
         self._tau = float(rate_window_s)
         self._done_sum = 0.0  # decayed slots released, as of _done_at
+        self._tok_sum = 0.0  # decayed tokens released, as of _done_at
         self._done_at = 0.0
         self._done_first = 0.0  # when the first release was seen (for the start-up correction)
         self.done_n = 0  # releases seen
@@ -99,29 +106,38 @@ class WaitEstimate:
 
     # ------------------------------------------------------------------ inputs
 
-    def released(self, slots: int, now: float, held: float | None) -> None:
-        """A lease of ``slots`` ended after being held ``held`` seconds (None: not known)."""
+    def released(self, slots: int, now: float, held: float | None, tokens: int = 0) -> None:
+        """A lease of ``slots`` and ``tokens`` ended after being held ``held`` seconds (None: not
+        known)."""
         if held is not None:
             self.hold_ewma = held if self.hold_ewma is None else 0.9 * self.hold_ewma + 0.1 * held
-        # count_done(slots, now), inlined: it is on every release's path
+        # count_done(slots, now, tokens=tokens), inlined: it is on every release's path
         if self.done_n:
-            self._done_sum = self._done_sum * math.exp(-(now - self._done_at) / self._tau) + slots
+            decay = math.exp(-(now - self._done_at) / self._tau)
+            self._done_sum = self._done_sum * decay + slots
+            if tokens or self._tok_sum:
+                self._tok_sum = self._tok_sum * decay + tokens
         else:
             self._done_sum = slots
+            self._tok_sum = tokens
             self._done_first = now
         self._done_at = now
         self.done_n += 1
 
-    def count_done(self, slots: int, now: float, handed: bool = False) -> None:
-        """``slots`` left for good: the completion rate's decayed sum (``handed``: to a peer)."""
+    def count_done(self, slots: int, now: float, handed: bool = False, tokens: int = 0) -> None:
+        """``slots`` and ``tokens`` left for good: the completion rate's decayed sums (``handed``:
+        to a peer; counted in tokens too, whose rate is this master's turnover including hand-offs)."""
         if handed:
             tau = self._tau
             self._handed_sum = self._handed_sum * math.exp(-(now - self._handed_at) / tau) + slots
             self._handed_at = now
         if self.done_n:
-            self._done_sum = self._done_sum * math.exp(-(now - self._done_at) / self._tau) + slots
+            decay = math.exp(-(now - self._done_at) / self._tau)
+            self._done_sum = self._done_sum * decay + slots
+            self._tok_sum = self._tok_sum * decay + tokens
         else:
             self._done_sum = slots
+            self._tok_sum = tokens
             self._done_first = now
         self._done_at = now
         self.done_n += 1
@@ -163,6 +179,21 @@ class WaitEstimate:
             rate = max(rate, self._placement.active_total / self.hold_ewma)
         return rate
 
+    def token_rate(self, now: float) -> float | None:
+        """Tokens released per second, lately, like :meth:`completion_rate` in slots (with hand-offs;
+        Little's law on the tokens running now as its floor); None before
+        :data:`RATE_MIN_RELEASES` releases."""
+        if self.done_n < RATE_MIN_RELEASES:
+            return None
+        tau = self._tau
+        span = 1.0 - math.exp(-(now - self._done_first) / tau)
+        if span <= 0.0:
+            return math.inf
+        rate = self._tok_sum * math.exp(-(now - self._done_at) / tau) / (tau * span)
+        if self.hold_ewma:
+            rate = max(rate, self._placement.active_tokens_total / self.hold_ewma)
+        return rate
+
     def fresh_peer_load(self, now: float) -> PeerLoad | None:
         """The peers' pooled load while it counts (:data:`PEER_LOAD_TTL_S`), else None."""
         pl = self.peer_load
@@ -190,13 +221,15 @@ class WaitEstimate:
         pooled = math.floor(queue_waves * (self._placement.capacity + pl.capacity) + 1e-9)
         return max(bound, pooled - sum(pl.queued.values()))
 
-    def expected_wait(self, c: RequestClass, slots: int, now: float) -> float | None:
-        """Seconds an arrival of class ``c`` needing ``slots`` would wait; None: no estimate yet
-        (see ``AdmissionCore.expected_wait``)."""
+    def expected_wait(self, c: RequestClass, slots: int, now: float, tokens: int = 0) -> float | None:
+        """Seconds an arrival of class ``c`` needing ``slots`` and ``tokens`` would wait; None: no
+        estimate yet (see ``AdmissionCore.expected_wait``): the larger of the estimates in slots and,
+        where this master holds token shares, in tokens."""
         w = self._weights
         pl = self.fresh_peer_load(now)
         pq = pl.queued if pl is not None else _NO_QUEUED
-        own = self._queues[c].slots + pq.get(c, 0)
+        own_q = self._queues[c]
+        own = own_q.slots + pq.get(c, 0)
         turn = own + slots
         ahead = float(own)
         for q in self._queues.values():  # in CLASS_ORDER
@@ -204,7 +237,8 @@ class WaitEstimate:
                 ahead += min(n, turn * w[q.cls] / w[c])
         p = self._placement
         need = ahead + slots - max(0, p.capacity - p.active_total) - (pl.free if pl is not None else 0)
-        if need <= 0:
+        need_tokens = self._token_need(c, own_q, slots, tokens) if p.token_capacity else 0.0
+        if need <= 0 and need_tokens <= 0:
             return 0.0
         rate = self.completion_rate(now)
         if pl is not None:
@@ -216,4 +250,22 @@ class WaitEstimate:
                 rate = pooled
         if rate is None or rate <= 0.0:
             return None
-        return need / rate
+        wait = max(0.0, need) / rate
+        if need_tokens > 0:
+            token_rate = self.token_rate(now)
+            if token_rate is not None and token_rate > 0.0:
+                wait = max(wait, need_tokens / token_rate)
+        return wait
+
+    def _token_need(self, c: RequestClass, own_q: ClassQueue, slots: int, tokens: int) -> float:
+        """The tokens to free before an arrival of class ``c`` (``slots``, ``tokens``) is served, as DRR
+        serves the queued slots (this master's queues alone): all of its own class's, and of each
+        other class the part of its tokens that DRR serves with the share in slots it gives it."""
+        w = self._weights
+        turn = own_q.slots + slots
+        ahead = float(own_q.tokens)
+        for q in self._queues.values():
+            if q.cls is not c and q.tokens and q.slots:
+                ahead += q.tokens * min(1.0, turn * w[q.cls] / w[c] / q.slots)
+        p = self._placement
+        return ahead + tokens - max(0, p.token_capacity - p.pooled_active_tokens)

@@ -14,13 +14,13 @@ def test_kept_counts_what_was_in_decode_at_both_acks() -> None:
     lg = AckLedger()
     a, b = _lease(1, 2), _lease(2, 1)
     lg.decode_sent(a, "n")
-    kept, gen = lg.kept_since("n", None)
+    kept, _, gen = lg.kept_since("n", None)
     assert kept == 0 and gen == 1
     lg.decode_sent(b, "n")  # after the Ack: not kept by the next one
-    kept, gen = lg.kept_since("n", gen)
+    kept, _, gen = lg.kept_since("n", gen)
     assert kept == 2 and gen == 2
     lg.released(a, "n")
-    kept, gen = lg.kept_since("n", gen)
+    kept, _, gen = lg.kept_since("n", gen)
     assert kept == 1  # b only
 
 
@@ -28,7 +28,7 @@ def test_an_unseen_lease_is_not_kept_and_a_stale_mark_keeps_nothing() -> None:
     lg = AckLedger()
     a = _lease(1, 3)
     lg.decode_sent(a, "n")
-    _, gen = lg.kept_since("n", None)
+    _, _, gen = lg.kept_since("n", None)
     lg.end_unseen(a, "n")
     assert lg.in_decode["n"] == 0 and lg.unseen_total() == 3
     assert lg.kept_since("n", gen)[0] == 0
@@ -37,3 +37,18 @@ def test_an_unseen_lease_is_not_kept_and_a_stale_mark_keeps_nothing() -> None:
     assert lg.unseen_total() == 0
     lg.forget("n")
     assert "n" not in lg.ack_gen and "n" not in lg.in_decode
+
+
+def test_kept_tokens_are_those_of_the_kept_leases() -> None:
+    lg = AckLedger()
+    a, b = _lease(1, 1), _lease(2, 1)
+    a.tokens, b.tokens = 100, 30
+    lg.decode_sent(a, "n")
+    _, _, gen = lg.kept_since("n", None)
+    lg.decode_sent(b, "n")
+    assert lg.in_decode_tokens["n"] == 130
+    assert lg.kept_since("n", gen)[:2] == (1, 100)
+    lg.end_unseen(b, "n")
+    lg.released(a, "n")
+    assert lg.in_decode_tokens["n"] == 0
+    assert lg.kept_since("n", gen + 1)[:2] == (0, 0)

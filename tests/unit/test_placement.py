@@ -30,7 +30,8 @@ def test_full_capacity_defaults_to_the_share_and_never_below_it() -> None:
     pl.apply({"a": 4, "b": 2}, {"a": 8, "b": 1})
     assert pl.max_full == 8 and pl.full["b"] == 2 and pl.full_total == 10
     assert pl.fits_a_share(4) and not pl.fits_a_share(5)
-    assert pl.fits_a_node(8) and not pl.fits_a_node(9)
+    assert pl.refusal_code(4) is None
+    assert pl.refusal_code(8) == "cannot_fit_now" and pl.refusal_code(9) == "unsatisfiable"
 
 
 def test_a_node_without_share_or_lease_leaves_the_ledger() -> None:
