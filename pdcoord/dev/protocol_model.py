@@ -12,11 +12,11 @@ really use on it. After every event the model checks, for every node,
 which is the strict-handover promise (DESIGN §4). The same harness drives the demand-policy
 benchmark, with Poisson arrivals per master and leases held for a random time.
 
-Tokens (DESIGN §13, ``kv_tokens``: a KV pool per node). Every lease then charges a random number of
-tokens (``lease_tokens``) and is placed only where the master's token share, less what its leases
-there charge, covers it (a master of this release; the model refuses the lease otherwise, as a
-master that finds no node with room would keep it waiting). Masters report active, wanted and kept
-tokens in their Acks, and the check runs for tokens beside slots:
+Tokens (DESIGN §13, ``kv_tokens``: a KV pool per node). Every request then charges a random number
+of tokens (``lease_tokens``), and the master's admission core places it only where its token share,
+less what its leases there charge, covers it (``CORE_TOKENS``; with an earlier core the model
+refuses a lease the core placed where its tokens do not fit). Masters report active, wanted and
+kept tokens in their Acks, and the check runs for tokens beside slots:
 
     Σ over live masters of the tokens their unfinished leases charge  ≤  pool
     Σ over live masters of max(token share it may use now, those tokens)  ≤  pool
@@ -53,6 +53,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import nodeagent.handover as _handover
 from nodeagent.handover import END_SEEN_S
@@ -63,6 +64,10 @@ from pdmaster.registry import DECODE, NodeRegistry, ProtocolError, ShareChanges,
 # How long after the Ack that opens a bracket the agent's core accepts a sample as bracketed (0 for
 # cores older than nodeagent.handover.START_SEEN_S, which accept any sample taken after that Ack).
 CORE_START_SEEN_S: float = getattr(_handover, "START_SEEN_S", 0.0)
+# Whether the master's admission core places leases by KV tokens too (AdmissionCore.submit(tokens=),
+# update_shares(token_shares=)). Without it (earlier cores) the model places a lease on the node the
+# core chose only if it fits the master's token share there, and refuses it otherwise.
+CORE_TOKENS: bool = hasattr(AdmissionCore, "active_tokens_on")
 
 
 @dataclass
@@ -268,6 +273,7 @@ class Stats:
     # node, and the leases a master refused for want of tokens (its share less its charges).
     token_violations: list[tuple[float, str, int, str]] = field(default_factory=list)
     max_token_usable: dict[str, int] = field(default_factory=dict)
+    max_token_running: dict[str, int] = field(default_factory=dict)  # most tokens the engine held
     token_refused: int = 0
     faults: dict[str, int] = field(default_factory=dict)
     granted: dict[str, int] = field(default_factory=dict)
@@ -301,6 +307,8 @@ class ProtocolSim:
         self.cfg = cfg
         self.rng = random.Random(seed)
         self.trng = random.Random(seed * 7919 + 17)  # token charges: the slot traffic stays the same
+        # (master, incarnation, ticket id) -> the request's token charge, until granted or refused
+        self._charges: dict[tuple[str, int, int], int] = {}
         self.now = 0.0
         self._q: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -425,6 +433,8 @@ class ProtocolSim:
             running, usable = self.token_usage(node)
             if usable > self.stats.max_token_usable.get(node, 0):
                 self.stats.max_token_usable[node] = usable
+            if running > self.stats.max_token_running.get(node, 0):
+                self.stats.max_token_running[node] = running
             if running > pool:
                 self.stats.token_violations.append((self.now, node, running - pool, "running"))
             if usable > pool:
@@ -651,23 +661,30 @@ class ProtocolSim:
     def master_shares(self, m: SimMaster, changes: ShareChanges) -> None:
         if m.core is None or not m.alive:
             return
-        m.core.update_shares(*split_changes(changes))
+        if CORE_TOKENS and self.cfg.kv_tokens:
+            token_shares, token_full = m.registry.token_changes(changes)
+            m.core.update_shares(  # type: ignore[call-arg,unused-ignore]
+                *split_changes(changes), token_shares=token_shares, token_full=token_full
+            )
+        else:
+            m.core.update_shares(*split_changes(changes))
         self.master_changes(m, m.core.last_changes)
 
     def master_changes(self, m: SimMaster, changes: list[Ticket]) -> None:
         for t in changes:
             if t.state is TicketState.GRANTED and not t.released and t.id not in m.leases:
                 self._granted(m, t)
-            elif t.state not in (TicketState.GRANTED, TicketState.QUEUED) and self.now >= self.measure_from:
-                self.stats.refused[m.mid] = self.stats.refused.get(m.mid, 0) + 1
+            elif t.state not in (TicketState.GRANTED, TicketState.QUEUED):
+                self._charges.pop((m.mid, m.inc, t.id), None)
+                if self.now >= self.measure_from:
+                    self.stats.refused[m.mid] = self.stats.refused.get(m.mid, 0) + 1
 
     def _granted(self, m: SimMaster, t: Ticket) -> None:
         assert t.node is not None
         pool = self.cfg.kv_tokens.get(t.node)
-        if pool is not None:
-            lo, hi = self.cfg.lease_tokens
-            charge = self.trng.randint(lo, hi) * t.slots
-            if charge > self.token_share(m, t.node) - m.tokens_held.get(t.node, 0):
+        charge = self._charges.pop((m.mid, m.inc, t.id), 0)
+        if pool is not None and charge:
+            if not CORE_TOKENS and charge > self.token_share(m, t.node) - m.tokens_held.get(t.node, 0):
                 # Its token share there cannot take the lease: not placed (released at once).
                 self.stats.token_refused += 1
                 assert m.core is not None
@@ -811,7 +828,16 @@ class ProtocolSim:
         if m.draining or not self.arrivals_on:
             return
         slots = 2 if self.rng.random() < self.cfg.gang_fraction else 1
-        t = m.core.submit(slots, RequestClass.COLD)
+        if self.cfg.kv_tokens:
+            lo, hi = self.cfg.lease_tokens
+            charge = self.trng.randint(lo, hi) * slots
+            if CORE_TOKENS:
+                t = m.core.submit(slots, RequestClass.COLD, tokens=charge)  # type: ignore[call-arg,unused-ignore]
+            else:
+                t = m.core.submit(slots, RequestClass.COLD)
+            self._charges[(m.mid, m.inc, t.id)] = charge
+        else:
+            t = m.core.submit(slots, RequestClass.COLD)
         self.master_changes(m, [t, *(x for x in m.core.last_changes if x is not t)])
 
     def master_timers(self) -> None:
@@ -992,7 +1018,13 @@ class ProtocolSim:
             here = frozenset(i for i, t in m.leases.items() if t.node == s.node)
             lo, hi = self.cfg.lease_tokens
             kept_t = sum(m.lease_tokens.get(i, 0) for i in here & s.token_mark)
-            toks = (m.tokens_held.get(s.node, 0), wanted * (lo + hi) // 2, kept_t)
+            active_t, wanted_t = m.tokens_held.get(s.node, 0), wanted * (lo + hi) // 2
+            if CORE_TOKENS:
+                core: Any = m.core
+                active_t, wanted_t = core.active_tokens_on(s.node), -(-core.wanted_tokens() // live)
+                if self.cfg.kept_acks and self.cfg.kept_from == "sent":
+                    kept_t = core.last_kept_tokens(s.node)  # of the leases kept_since just counted
+            toks = (active_t, wanted_t, kept_t)
             s.token_mark = here
         self._send_m2a(s, node.epoch, active, wanted, m.draining, seq, kept, toks)
 

@@ -388,7 +388,7 @@ TOKEN_SEEDS = int(os.environ.get("PDCOORD_SIM_TOKEN_SEEDS", "20"))
 def test_token_shares_never_oversubscribe_the_pool_and_converge(policy: str) -> None:
     """Σ of the token charges the engine will hold, and Σ max(token share, those charges), stay within
     every node's pool through the same failovers, drains, partitions and agent restarts as slots."""
-    refused = 0
+    fullest = 0.0
     for seed in range(TOKEN_SEEDS):
         sim = ProtocolSim(dataclasses.replace(_config(policy), kv_tokens=POOLS), seed)
         stats = sim.run()
@@ -400,8 +400,8 @@ def test_token_shares_never_oversubscribe_the_pool_and_converge(policy: str) -> 
         problems = sim.converged()
         assert not problems, f"seed {seed}: not converged after the stable phase: {problems}"
         assert sum(stats.granted.values()) > 0
-        refused += stats.token_refused
-    assert refused > 0  # the pools did bind
+        fullest = max([fullest, *(stats.max_token_running.get(n, 0) / p for n, p in POOLS.items())])
+    assert fullest > 0.8  # the pools did fill: tokens, not slots, bounded the leases at times
 
 
 def test_the_model_catches_token_overshoot_in_fast_mode() -> None:
