@@ -195,7 +195,9 @@ class RequestPipeline:
                 # Its prefill alone breaks its time-to-first-token target: a peer's free slot would
                 # serve it late. As with one master, it runs here if it can start now, or is refused.
                 spill = None
-            if spill is not None and self.admission.waits_for_room(ctx.parsed.slots, ctx.session_id):
+            if spill is not None and self.admission.waits_for_room(
+                ctx.parsed.slots, ctx.session_id, ctx.tokens
+            ):
                 # It would wait here for room that a peer may have free now (pdmaster/spill.py). A
                 # continuation too: its prefix is cached in the engines, not here, and the peer is
                 # told where (X-Pdcoord-Cached).
@@ -217,6 +219,7 @@ class RequestPipeline:
                         deadline=deadline,
                         lead_s=self._lead(ctx),
                         at_once=ctx.from_peer,  # only room free now (pdmaster/spill.py)
+                        tokens=ctx.tokens,
                     ) as lease:
                         ctx.lease = lease
                         if self._staged is None and lease.node in failed:

@@ -248,6 +248,7 @@ class MasterServer:
             max_reports_per_s=cfg.max_reports_per_s,
             on_engine=self._on_agent_engine,
             kept=lambda node, mark: self.admission.core.kept_since(node, mark),
+            tokens=self._tokens,
             on_closed=self._node_closed,
         )
         self.breakers = EngineBreakers(cfg.breaker, on_change=self._on_breaker)
@@ -301,7 +302,7 @@ class MasterServer:
     # -- lifecycle ----------------------------------------------------------------------------
     def _on_shares(self, changes: ShareChanges) -> None:
         if self._lease_held:  # otherwise admission holds nothing; the registry keeps the shares
-            self.admission.update_shares(*split_changes(changes))
+            self.admission.update_shares(*split_changes(changes), *self.registry.token_changes(changes))
 
     def _on_lease_held(self, held: bool) -> None:
         """This master can prove its etcd lease alive again (``held``), or can no longer.
@@ -348,7 +349,7 @@ class MasterServer:
                     self.master_id,
                     sum(s for s, _ in shares.values()),
                 )
-            self.admission.set_shares(*split_changes(shares))
+            self.admission.set_shares(*split_changes(shares), *self.registry.token_changes(shares))
         else:
             self._lease_losses += 1
             self.metrics.lease_losses.inc()
@@ -547,6 +548,15 @@ class MasterServer:
             nodes = max(1, len(self.registry.live(DECODE)))
             wanted = -(-wanted // nodes)
         return self.admission.active_on(node_id), wanted
+
+    def _tokens(self, node_id: str) -> tuple[int, int, int]:
+        """(active_tokens, wanted_tokens, kept_tokens) for an Ack on a decode node, as ``_slots`` and
+        ``kept`` give its slots (the kept tokens are those of the leases the kept slots counted)."""
+        core = self.admission.core
+        wanted = core.wanted_tokens()
+        if wanted:
+            wanted = -(-wanted // max(1, len(self.registry.live(DECODE))))
+        return core.active_tokens_on(node_id), wanted, core.last_kept_tokens(node_id)
 
     def _floor(self, node_id: str) -> int:
         """Ack.floor_slots on a decode node: 1 on this master's anchor, 0 elsewhere (pdmaster/anchor.py)."""
