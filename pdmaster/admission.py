@@ -165,6 +165,7 @@ class AdmissionCore:
         }
         self._estimate = WaitEstimate(self.policy.rate_window_s, self._weights, self._queues, self._placement)
         self._changes: list[Ticket] = []
+        self._idle_ver = -1  # see _pump
         self._now = 0.0
         self.last_changes: list[Ticket] = []
         # pause guard (watch_pauses): no placement before _hold_until
@@ -683,13 +684,13 @@ class AdmissionCore:
         now = self._now
         self._seq += 1
         n = int(slots)
-        k = int(tokens)
+        k = int(tokens) if tokens else 0
         rc = request_class if type(request_class) is RequestClass else RequestClass(request_class)
         resubmit = bool(avoid) or deadline is not None
-        t = Ticket(self._seq, n, rc, None if resubmit else session_id, now, k if k > 0 else 0)
+        t = Ticket(self._seq, n, rc, None if resubmit else session_id, now, k)
         if avoid:
             t.avoid = avoid
-        if n < 1 or n != slots or k < 0 or k != tokens:
+        if n < 1 or n != slots or (k and (k < 0 or k != tokens)):
             return self._refuse(t, INVALID)
         pl = self._placement
         if self._bypass:  # no limit to keep, in slots or tokens
@@ -714,11 +715,13 @@ class AdmissionCore:
         target = self._targets[rc]
         if target != math.inf and (wait := self._over_target(t, s, target, lead_s)) is not None:
             return self._refuse(t, EXPECTED_WAIT, self._retry_hint(wait))
-        overflow = (
-            self._queued_slots
-            + t.slots
-            - self._estimate.pooled_bound(self._bound, self.policy.queue_waves, self._now)
+        est = self._estimate
+        bound = (
+            self._bound
+            if est.peer_load is None
+            else est.pooled_bound(self._bound, self.policy.queue_waves, now)
         )
+        overflow = self._queued_slots + n - bound
         if overflow > 0:
             bf = self._bf
             node = self._fit(t) if s is None and not bf.reserved else None
@@ -743,8 +746,17 @@ class AdmissionCore:
                     overflow -= v.slots
                     self._finish(v, _EVICTED, EVICTED)
             s = self._sessions.get(session_id) if session_id is not None else None
+        # The last pump stopped for want of room or of a candidate, and nothing changed since: no
+        # placement change, nothing ended in this call, no resubmission waits. Then the newcomer
+        # changes nothing DRR sees unless it becomes an eligible head and its class has no older
+        # head needing as few slots (else no class's oldest head within any slot limit changes),
+        # and pumping again would stop where the last pump did.
+        q = self._queues[rc]
+        stable = self._idle_ver == pl.ver and not self._changes and not self._retries
+        older = stable and bool(q.sizes) and q.sizes[0] <= n
         self._enqueue(t, s, now, lead_s)
-        self._pump()
+        if not stable or (t._loc == _HEAD and not older):
+            self._pump()
         self._end()
         return t
 
@@ -1053,72 +1065,85 @@ class AdmissionCore:
         return False
 
     def _pump(self) -> None:
+        """Grant what the free room and the queue allow. Where it stops for want of room or of a
+        candidate, it notes the placement version (``_idle_ver``): until the placement or the eligible
+        heads change, pumping again would stop there again (see :meth:`submit`)."""
+        self._idle_ver = -1
         if self._bypass:
             return
-        bf = self._bf
-        drr = self._drr
-        qlist = self._qlist
         pl = self._placement
-        top_free = pl.top_free
-        fit = pl.fit
         while self._queued_n:
             if self._now < self._hold_until:
                 return
-            free, node = top_free()
+            free, node = pl.top_free()
             if free <= 0 or node is None:
+                self._idle_ver = pl.ver
                 return
             if self._retries and self._grant_retry():
                 continue
             # Without pools the node with the most free slots is the only one worth checking; with
             # them, placement weighs tokens (Placement.fit).
-            pooled = bool(pl.tshares)
+            pooled = pl.tshares
+            bf = self._bf
             g = bf.gang
             if g is not None:
                 if not pooled:
                     gnode = node if g.slots <= free else None
                 elif bf.gang_miss == pl.ver:
                     gnode = None  # nothing changed since it last found no node
-                elif (gnode := fit(g.slots, g.tokens)) is None:
+                elif (gnode := pl.fit(g.slots, g.tokens)) is None:
                     bf.gang_miss = pl.ver
                 if gnode is not None:
-                    drr.charge(g.request_class, g.slots)
+                    self._drr.charge(g.request_class, g.slots)
                     self._grant(g, gnode)  # clears the backfill state
                     continue
                 if bf.reserved:
+                    self._idle_ver = pl.ver
                     return  # freed slots wait for the gang
                 remaining = bf.budget - bf.used
                 if remaining <= 0:
                     bf.reserved = True
+                    self._idle_ver = pl.ver
                     return
-                pick = drr.pick(qlist, min(free, remaining), g.request_class)
+                pick = self._drr.pick(self._qlist, min(free, remaining), g.request_class)
                 if pick is None:
+                    self._idle_ver = pl.ver
                     return
                 t, lone = pick
                 if pooled:
-                    if bf.cand_miss == (t.id, pl.ver):
+                    if bf.cand_miss == t.id and bf.cand_miss_ver == pl.ver:
+                        self._idle_ver = pl.ver
                         return  # nothing changed since it last found no node
-                    tnode = fit(t.slots, t.tokens)
+                    tnode = pl.fit(t.slots, t.tokens)
                     if tnode is None:
-                        bf.cand_miss = (t.id, pl.ver)
+                        bf.cand_miss = t.id
+                        bf.cand_miss_ver = self._idle_ver = pl.ver
                         return  # its tokens do not fit now either: wait for the next change
                     node = tnode
                 self._queues[t.request_class].take_head(t)
-                drr.charge(t.request_class, t.slots, lone)
-                miss = bf.gang_miss == pl.ver
-                self._grant(t, node)
-                if miss:
+                self._drr.charge(t.request_class, t.slots, lone)
+                if pooled and bf.gang_miss == pl.ver:
+                    self._grant(t, node)
                     bf.gang_miss = pl.ver  # a grant only takes room: the gang fits no better
-                bf.spend(t.slots)
+                else:
+                    self._grant(t, node)
+                bf.used += t.slots  # Backfill.spend, inlined
+                if bf.used >= bf.budget:
+                    bf.reserved = True
                 continue
-            pick = drr.pick(qlist, None, None)
+            pick = self._drr.pick(self._qlist, None, None)
             if pick is None:
+                self._idle_ver = pl.ver
                 return
             t, lone = pick
             self._queues[t.request_class].take_head(t)
-            tnode = fit(t.slots, t.tokens) if pooled else (node if t.slots <= free else None)
-            if tnode is not None:
-                drr.charge(t.request_class, t.slots, lone)
-                self._grant(t, tnode)
+            if pooled:
+                node = pl.fit(t.slots, t.tokens)
+            elif t.slots > free:
+                node = None
+            if node is not None:
+                self._drr.charge(t.request_class, t.slots, lone)
+                self._grant(t, node)
                 continue
             # DRR chose a request that does not fit now (a gang, or tokens): later requests may
             # backfill, within a budget.

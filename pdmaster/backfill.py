@@ -22,18 +22,19 @@ _QUEUED = TicketState.QUEUED
 class Backfill:
     """The blocked gang, if any, the backfill budget it grants the others, and its reservation."""
 
-    __slots__ = ("budget", "cand_miss", "gang", "gang_miss", "reserved", "used")
+    __slots__ = ("budget", "cand_miss", "cand_miss_ver", "gang", "gang_miss", "reserved", "used")
 
     def __init__(self) -> None:
         self.gang: Ticket | None = None
         self.used = 0  # slots backfilled past the gang so far
         self.reserved = False  # nothing more bypasses the gang
         self.budget = 0  # slots that may backfill past a gang (backfill_waves x capacity)
-        # The placement version at which the gang, and (ticket id, version) at which the backfill
-        # candidate DRR chose, last found no node: until the placement changes, asking again would
-        # find none again (pdmaster.placement: only with pools, where a look costs more).
+        # The placement version at which the gang, and the backfill candidate DRR chose (its ticket
+        # id) at which, last found no node: until the placement changes, asking again would find none
+        # again (pdmaster.placement: only with pools, where a look costs more).
         self.gang_miss = -1
-        self.cand_miss = (0, -1)
+        self.cand_miss = 0
+        self.cand_miss_ver = -1
 
     def block(self, t: Ticket) -> None:
         """``t``, picked by DRR, does not fit: later requests may backfill within the budget."""

@@ -261,6 +261,19 @@ class Placement:
             return node if node is not None and f >= slots else None
         shares = self.shares
         active = self.active
+        h = self.token_heap
+        while h and nv.get(h[0][1]) != h[0][2]:
+            heapq.heappop(h)
+        if h and not avoid:
+            # The common cases at the top of the token heap, without a walk: no node with a pool has
+            # the tokens free, or the one with the most has the slots too.
+            e = h[0]
+            if -e[0] < tokens:
+                if not self._poolless_counts:
+                    return None
+                return _first(self.free_heap, nv, avoid, slots, lambda n: n not in tshares)[0]
+            if shares[e[1]] - active.get(e[1], 0) >= slots:
+                return e[1]
         tactive = self.tactive
 
         def slots_fit(n: str) -> bool:
@@ -298,10 +311,8 @@ class Placement:
             ts = self.tshares.get(node)
             if ts is not None:
                 heapq.heappush(self.token_heap, (self.tactive.get(node, 0) - ts, node, ver))
-        if (
-            len(self.free_heap) > 4 * len(self._node_ver) + 64
-            or len(self.token_heap) > 4 * len(self._node_ver) + 64
-        ):
+        most = 4 * len(self._node_ver) + 64
+        if len(self.free_heap) > most or len(self.token_heap) > most:
             self._compact()
 
     def _compact(self) -> None:
@@ -338,13 +349,22 @@ class Placement:
         self.active_total -= slots
         if node is None:
             return
-        self.active[node] -= slots
+        active = self.active[node] = self.active[node] - slots
         if tokens:
             self.tactive[node] -= tokens
             self.active_tokens_total -= tokens
             if node in self.tshares:
                 self.pooled_active_tokens -= tokens
-        self.touch(node)
+        share = self.shares.get(node)
+        if share is None or self.tshares:
+            self.touch(node)
+            return
+        # A node with a share and no pool anywhere: touch(), inlined (on every release's path).
+        self.ver += 1
+        self._node_ver[node] = ver = self.ver
+        heapq.heappush(self.free_heap, (active - share, node, ver))
+        if len(self.free_heap) > 4 * len(self._node_ver) + 64:
+            self._compact()
 
     def apply(
         self,
