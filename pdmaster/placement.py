@@ -23,9 +23,9 @@ capacity is counted, so their maxima cost O(distinct values).
 
 Whether a request could fit some node when nothing runs (:meth:`Placement.refusal_code`) is judged
 per dimension: its slots against the largest slot share and its tokens against the largest token
-share, unless a node without a pool is held (no token limit there). A node whose largest slot share
-and largest token share are different nodes may so admit to the queue a request no single node fits
-now; it waits, as a gang does, until it times out or fits.
+share, unless a node without a pool is held (no token limit there). When the largest slot share and
+the largest token share are on different nodes, a request that no single node's shares could hold
+may so enter the queue; it waits, as a gang does, until it fits or times out.
 """
 
 from __future__ import annotations
