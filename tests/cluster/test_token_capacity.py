@@ -39,6 +39,8 @@ def _fleet(cluster: LocalCluster, masters: list[str]) -> None:
         cluster.start_node(d, "decode", SLOTS, fast=False, model=MODEL, engine_args=ENGINE)
 
     def tokens_granted() -> bool:
+        if not cluster.full_capacity_held(masters, {"p1": 16, **dict.fromkeys(DECODES, SLOTS)}):
+            return False
         for m in masters:
             nodes = {n["node_id"]: n for n in cluster.masters[m].admission()["nodes"]}
             if any(nodes.get(d, {}).get("token_share") is None for d in DECODES):
@@ -65,6 +67,11 @@ def test_long_prompts_fill_the_pools_not_the_engines_queues_through_a_master_kil
     clients = {
         m: openai.OpenAI(base_url=cluster.masters[m].url + "/v1", api_key="x", max_retries=0) for m in masters
     }
+    # A prompt no decode pool can ever hold is a bad request, named as such, before anything runs.
+    with pytest.raises(openai.BadRequestError) as refused:
+        clients["m1"].completions.create(model=MODEL, prompt=[7] * (POOL + 1), max_tokens=8, timeout=30)
+    assert refused.value.code == "too_many_tokens", refused.value.body
+    assert str(POOL) in refused.value.message, refused.value.message
     stop = threading.Event()
     outcomes: list[str] = []
     samples: list[dict[str, int]] = []
