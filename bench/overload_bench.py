@@ -1155,7 +1155,8 @@ def main() -> None:
     if lam is None:
         raise SystemExit("--calibrate found no rate within the SLO: give --lambda-star")
     print(
-        f"λ* = {lam} req/s (engine time); fleet decode throughput ≈ {fleet_throughput(args):.2f}", flush=True
+        f"λ* = {lam} req/s (engine time); fleet throughput ≈ {fleet_throughput(args):.2f} (estimated)",
+        flush=True,
     )
 
     sweep: list[dict[str, Any]] = []
