@@ -1091,8 +1091,14 @@ class AdmissionCore:
                     gnode = node if g.slots <= free else None
                 elif bf.gang_miss == pl.ver:
                     gnode = None  # nothing changed since it last found no node
+                elif bf.gang_seen >= 0 and pl.still_none(g.slots, g.tokens, bf.gang_seen):
+                    # no node had the room, and none whose room grew since has it
+                    gnode = None
+                    bf.gang_miss = pl.ver
+                    bf.gang_seen = pl.raises
                 elif (gnode := pl.fit(g.slots, g.tokens)) is None:
                     bf.gang_miss = pl.ver
+                    bf.gang_seen = pl.raises if pl.exact else -1
                 if gnode is not None:
                     self._drr.charge(g.request_class, g.slots)
                     self._grant(g, gnode)  # clears the backfill state
@@ -1111,12 +1117,18 @@ class AdmissionCore:
                     return
                 t, lone = pick
                 if pooled:
-                    if bf.cand_miss == t.id and bf.cand_miss_ver == pl.ver:
-                        self._idle_ver = pl.ver
-                        return  # nothing changed since it last found no node
+                    if bf.cand_miss == t.id:
+                        if bf.cand_miss_ver == pl.ver:
+                            self._idle_ver = pl.ver
+                            return  # nothing changed since it last found no node
+                        if bf.cand_seen >= 0 and pl.still_none(t.slots, t.tokens, bf.cand_seen):
+                            bf.cand_miss_ver = self._idle_ver = pl.ver
+                            bf.cand_seen = pl.raises
+                            return  # no node whose room grew since it last found none has it
                     tnode = pl.fit(t.slots, t.tokens)
                     if tnode is None:
                         bf.cand_miss = t.id
+                        bf.cand_seen = pl.raises if pl.exact else -1
                         bf.cand_miss_ver = self._idle_ver = pl.ver
                         return  # its tokens do not fit now either: wait for the next change
                     node = tnode
@@ -1149,6 +1161,10 @@ class AdmissionCore:
             # backfill, within a budget.
             t._loc = _GANG
             bf.block(t)
+            if pooled:
+                # It just found no node: asking again before the placement changes finds none.
+                bf.gang_miss = pl.ver
+                bf.gang_seen = pl.raises if pl.exact else -1
 
 
 def _ints(m: Mapping[str, int] | None) -> dict[str, int] | None:

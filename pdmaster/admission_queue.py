@@ -25,11 +25,12 @@ from collections import deque
 
 from pdmaster.ticket import LOC_HEAD, LOC_NOWHERE, RequestClass, Ticket, TicketState
 
-__all__ = ["ClassQueue", "Heads", "Session"]
+__all__ = ["MEMO_ALL", "ClassQueue", "Heads", "Session"]
 
 _QUEUED = TicketState.QUEUED  # module constant: enum attribute access is slow in the hot path
 _HEAD = LOC_HEAD
 _NOWHERE = LOC_NOWHERE
+MEMO_ALL = 1 << 30  # ClassQueue.memo_k when the remembered answer is over every size
 
 
 class Session:
@@ -154,8 +155,9 @@ class ClassQueue:
         self.heads: dict[int, Heads] = {}  # slot count -> eligible heads of that size
         self.sizes: list[int] = []  # sorted slot counts with at least one live head
         self.heads_n = 0
-        # peek_head's last answer, for the smallest ``memo_k`` sizes (-1: none); any change of the
-        # heads forgets it. DRR asks again and again while nothing changes (a blocked gang's backfill).
+        # peek_head's last answer, for the smallest ``memo_k`` sizes (MEMO_ALL: every size; -1: none);
+        # a change of the heads that could change it forgets it (a head joining behind a live one of
+        # its size cannot). DRR asks again and again while nothing changes (a blocked gang's backfill).
         self.memo_k = -1
         self.memo: Ticket | None = None
 
@@ -236,13 +238,23 @@ class ClassQueue:
     def push_head(self, t: Ticket) -> None:
         t._loc = _HEAD
         self.heads_n += 1
-        self.memo_k = -1
         n = t.slots
         h = self.heads.get(n)
         if h is None:
             h = self.heads[n] = Heads(self.cls)
         if not h.n:
             bisect.insort(self.sizes, n)
+            self.memo_k = -1
+            h.push(t)
+            return
+        f = h.fifo
+        if f and not h.dead and f[-1].id < t.id:
+            # Heads.push, inlined: behind a live head of its size (no dead entries: the back of
+            # ``fifo`` is one) it is nobody's oldest, so peek_head's last answer stands.
+            h.n += 1
+            f.append(t)
+            return
+        self.memo_k = -1
         h.push(t)
 
     def take_head(self, t: Ticket) -> None:
@@ -269,12 +281,12 @@ class ClassQueue:
         sizes = self.sizes
         if not sizes:
             return None
-        k = len(sizes) if limit is None or sizes[-1] <= limit else bisect.bisect_right(sizes, limit)
+        k = MEMO_ALL if limit is None or sizes[-1] <= limit else bisect.bisect_right(sizes, limit)
         if k == self.memo_k:
             return self.memo
         best: Ticket | None = None
         heads = self.heads
-        for i in range(k):
+        for i in range(len(sizes) if k == MEMO_ALL else k):
             t = heads[sizes[i]].peek()
             if best is None or t.id < best.id:
                 best = t

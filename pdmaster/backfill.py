@@ -22,7 +22,17 @@ _QUEUED = TicketState.QUEUED
 class Backfill:
     """The blocked gang, if any, the backfill budget it grants the others, and its reservation."""
 
-    __slots__ = ("budget", "cand_miss", "cand_miss_ver", "gang", "gang_miss", "reserved", "used")
+    __slots__ = (
+        "budget",
+        "cand_miss",
+        "cand_miss_ver",
+        "cand_seen",
+        "gang",
+        "gang_miss",
+        "gang_seen",
+        "reserved",
+        "used",
+    )
 
     def __init__(self) -> None:
         self.gang: Ticket | None = None
@@ -35,6 +45,11 @@ class Backfill:
         self.gang_miss = -1
         self.cand_miss = 0
         self.cand_miss_ver = -1
+        # The placement's raise count at which the gang, and the candidate ``cand_miss``, was known
+        # to fit no node at all (-1: not known): until a node whose room grew since has it, asking
+        # again finds none (Placement.still_none).
+        self.gang_seen = -1
+        self.cand_seen = -1
 
     def block(self, t: Ticket) -> None:
         """``t``, picked by DRR, does not fit: later requests may backfill within the budget."""
@@ -42,6 +57,7 @@ class Backfill:
         self.used = 0
         self.reserved = self.budget <= 0
         self.gang_miss = -1
+        self.gang_seen = -1
 
     def remaining(self) -> int:
         return self.budget - self.used
@@ -57,6 +73,7 @@ class Backfill:
         self.used = 0
         self.reserved = False
         self.gang_miss = -1
+        self.gang_seen = -1
 
 
 class SizeHeap:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from pdmaster.admission_queue import ClassQueue
+from pdmaster.admission_queue import MEMO_ALL, ClassQueue
 from pdmaster.ticket import CLASS_ORDER, RequestClass, Ticket
 
 __all__ = ["DeficitRoundRobin"]
@@ -42,13 +42,19 @@ class DeficitRoundRobin:
         n_any = 0
         only = 0
         d = self.deficit
-        for i, q in enumerate(queues):
+        i = -1
+        for q in queues:
+            i += 1
             if not q.heads_n:
                 if keep is not q.cls:
                     d[q.cls] = 0.0  # nothing eligible: no credit hoarding
                 continue
             n_any += 1
-            h = q.peek_head(limit)
+            # ClassQueue.peek_head's remembered answer, without the call when it stands
+            if q.memo_k == MEMO_ALL and (limit is None or q.sizes[-1] <= limit):
+                h = q.memo
+            else:
+                h = q.peek_head(limit)
             if h is None:
                 continue
             heads[i] = h

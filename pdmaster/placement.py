@@ -21,6 +21,13 @@ never scans the nodes; the price is that a node beyond the lookahead that would 
 ticket waits for the next change, or backfill runs past it). How many nodes have each share and full
 capacity is counted, so their maxima cost O(distinct values).
 
+A lease that found no node need not be looked for again until room grows where it could fit:
+taking room never makes a lease fit, and a release frees room on one node only. So when
+:meth:`Placement.fit` found no node at all (:attr:`Placement.exact`: every node with the room in one
+dimension was looked at, none past the lookahead), :meth:`Placement.still_none` tells in O(1) per
+release since whether that is still so, from the nodes whose room grew since (a share change
+forgets them all).
+
 Whether a request could fit some node when nothing runs (:meth:`Placement.refusal_code`) is judged
 per dimension: its slots against the largest slot share and its tokens against the largest token
 share, unless a node without a pool is held (no token limit there). When the largest slot share and
@@ -130,6 +137,7 @@ class Placement:
         "active_tokens_total",
         "active_total",
         "capacity",
+        "exact",
         "free_heap",
         "full",
         "full_total",
@@ -137,6 +145,8 @@ class Placement:
         "max_share",
         "max_tfull",
         "pooled_active_tokens",
+        "raised",
+        "raises",
         "shares",
         "tactive",
         "tfull",
@@ -179,6 +189,12 @@ class Placement:
         self.ver = 0  # grows with every change of any node's free room (a touch)
         self.free_heap: list[_Entry] = []  # every node: (-free slots, node, ver)
         self.token_heap: list[_Entry] = []  # nodes with a pool: (-free tokens, node, ver)
+        # Room that grew (see :meth:`still_none`): how many times, and on which nodes lately.
+        self.raises = 0
+        self.raised: list[str] = []  # the nodes of the latest raises, newest last
+        # After fit found no node: whether no node at all has the room (every walk looked at every
+        # node with the room in its dimension), rather than the walk gave up past the lookahead.
+        self.exact = False
 
     # ------------------------------------------------------------------ views
 
@@ -253,12 +269,16 @@ class Placement:
 
     def fit(self, slots: int, tokens: int, avoid: frozenset[str] = NO_AVOID) -> str | None:
         """The node a lease of ``slots`` and ``tokens`` goes to now, outside ``avoid``; None: none of
-        the nodes checked has the room (see the module)."""
+        the nodes checked has the room (see the module), and then :attr:`exact` says whether no node
+        outside ``avoid`` has it at all."""
         nv = self._node_ver
         tshares = self.tshares
         if not tshares:  # no pool anywhere: slots alone, the top of the slot heap
             f, node = _top(self.free_heap, nv, avoid) if avoid else self.top_free()
-            return node if node is not None and f >= slots else None
+            if node is not None and f >= slots:
+                return node
+            self.exact = True
+            return None
         shares = self.shares
         active = self.active
         h = self.token_heap
@@ -270,8 +290,9 @@ class Placement:
             e = h[0]
             if -e[0] < tokens:
                 if not self._poolless_counts:
+                    self.exact = True
                     return None
-                return _first(self.free_heap, nv, avoid, slots, lambda n: n not in tshares)[0]
+                return self._poolless(slots, avoid)
             if shares[e[1]] - active.get(e[1], 0) >= slots:
                 return e[1]
         tactive = self.tactive
@@ -290,9 +311,45 @@ class Placement:
             # Every node with a pool and the tokens free was looked at: only a node without a pool
             # is left to find (none held: none at all, which keeps a token-bound miss O(1)).
             if not self._poolless_counts:
+                self.exact = True
                 return None
-            return _first(self.free_heap, nv, avoid, slots, lambda n: n not in tshares)[0]
-        return _first(self.free_heap, nv, avoid, slots, tokens_fit)[0]
+            return self._poolless(slots, avoid)
+        node, self.exact = _first(self.free_heap, nv, avoid, slots, tokens_fit)
+        return node
+
+    def _poolless(self, slots: int, avoid: frozenset[str]) -> str | None:
+        """The node without a pool with the most free slots, if it has ``slots`` free (no node with
+        a pool has the room)."""
+        tshares = self.tshares
+        node, self.exact = _first(self.free_heap, self._node_ver, avoid, slots, lambda n: n not in tshares)
+        return node
+
+    def still_none(self, slots: int, tokens: int, seen: int) -> bool:
+        """Whether :meth:`fit` (without ``avoid``) surely finds no node for ``slots`` and ``tokens``
+        now, given that no node had the room when :attr:`raises` was ``seen``. Taking room never
+        makes a lease fit, so only the nodes whose room grew since need a look: O(their number), and
+        False (ask :meth:`fit`) when those are no longer all known (a share change, or many)."""
+        n = self.raises - seen
+        if n == 1:  # the common case: one release since
+            node = self.raised[-1] if self.raised else None
+            if node is None or self.shares.get(node, 0) - self.active.get(node, 0) < slots:
+                return node is not None
+            ts = self.tshares.get(node)
+            return ts is not None and self.tactive.get(node, 0) + tokens > ts
+        if not n:
+            return True
+        raised = self.raised
+        if n > len(raised):
+            return False
+        shares = self.shares
+        active = self.active
+        tshares = self.tshares
+        for node in raised[-n:]:
+            if shares.get(node, 0) - active.get(node, 0) >= slots:
+                ts = tshares.get(node)
+                if ts is None or self.tactive.get(node, 0) + tokens <= ts:
+                    return False
+        return True
 
     # ------------------------------------------------------------------ changes
 
@@ -327,20 +384,36 @@ class Placement:
         self.active_total += slots
         if node is None:
             return
-        if tokens or self.tshares:
+        active = self.active[node] = self.active.get(node, 0) + slots
+        share = self.shares.get(node)
+        tshares = self.tshares
+        if tokens or tshares:
+            ts = tshares.get(node)
             if tokens:
                 self.tactive[node] = self.tactive.get(node, 0) + tokens
                 self.active_tokens_total += tokens
-                if node in self.tshares:
+                if ts is not None:
                     self.pooled_active_tokens += tokens
-            self.active[node] = self.active.get(node, 0) + slots
-            self.touch(node)
+            if share is None:
+                self.touch(node)
+                return
+            # touch(), inlined: fresh entries in both heaps
+            self.ver += 1
+            nv = self._node_ver
+            nv[node] = ver = self.ver
+            fh = self.free_heap
+            heapq.heappush(fh, (active - share, node, ver))
+            th = self.token_heap
+            if ts is not None:
+                heapq.heappush(th, (self.tactive.get(node, 0) - ts, node, ver))
+            most = 4 * len(nv) + 64
+            if len(fh) > most or len(th) > most:
+                self._compact()
             return
         # No pool anywhere and no tokens: touch(), inlined (on every decision's path).
-        active = self.active[node] = self.active.get(node, 0) + slots
         self.ver += 1
         self._node_ver[node] = ver = self.ver
-        heapq.heappush(self.free_heap, (active - self.shares.get(node, 0), node, ver))
+        heapq.heappush(self.free_heap, (active - (share or 0), node, ver))
         if len(self.free_heap) > 4 * len(self._node_ver) + 64:
             self._compact()
 
@@ -350,14 +423,37 @@ class Placement:
         if node is None:
             return
         active = self.active[node] = self.active[node] - slots
+        tshares = self.tshares
         if tokens:
             self.tactive[node] -= tokens
             self.active_tokens_total -= tokens
-            if node in self.tshares:
+            if node in tshares:
                 self.pooled_active_tokens -= tokens
         share = self.shares.get(node)
-        if share is None or self.tshares:
-            self.touch(node)
+        if share is None or tshares:
+            if share is None:
+                self.touch(node)
+            else:
+                # touch(), inlined: fresh entries in both heaps
+                self.ver += 1
+                nv = self._node_ver
+                nv[node] = ver = self.ver
+                fh = self.free_heap
+                heapq.heappush(fh, (active - share, node, ver))
+                th = self.token_heap
+                ts = tshares.get(node)
+                if ts is not None:
+                    heapq.heappush(th, (self.tactive.get(node, 0) - ts, node, ver))
+                most = 4 * len(nv) + 64
+                if len(fh) > most or len(th) > most:
+                    self._compact()
+            # Room grew here (still_none). Not noted without pools: no one asks then, and the share
+            # change that brings a pool resets what is known.
+            self.raises += 1
+            raised = self.raised
+            raised.append(node)
+            if len(raised) > 64:
+                del raised[:32]
             return
         # A node with a share and no pool anywhere: touch(), inlined (on every release's path).
         self.ver += 1
@@ -451,4 +547,7 @@ class Placement:
                 self.pooled_active_tokens += self.tactive.get(node, 0)
         self.capacity += s - old
         self.touch(node)
+        # Room changed either way: what still_none knows since any earlier raise is void.
+        self.raises += 1
+        self.raised.clear()
         return True

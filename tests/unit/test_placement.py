@@ -53,3 +53,62 @@ def test_the_heap_stays_bounded_by_the_nodes() -> None:
         pl.take("a", 1)
         pl.give_back("a", 1)
     assert len(pl.free_heap) <= 4 * 2 + 64 + 1
+
+
+def _pooled(nodes: int, slots: int, tokens: int) -> Placement:
+    pl = Placement()
+    names = [f"n{i}" for i in range(nodes)]
+    pl.apply(dict.fromkeys(names, slots), None, dict.fromkeys(names, tokens))
+    return pl
+
+
+def test_a_miss_is_exact_when_no_node_has_the_room() -> None:
+    pl = _pooled(3, 4, 1000)
+    for n in ("n0", "n1", "n2"):
+        pl.take(n, 1, 900)
+    assert pl.fit(1, 500) is None and pl.exact
+    seen = pl.raises
+    # taking room never makes a lease fit: nothing to look at
+    pl.take("n1", 1, 50)
+    assert pl.still_none(1, 500, seen)
+    # a release that does not cover the lease on its node changes nothing
+    pl.give_back("n0", 1, 300)
+    assert pl.still_none(1, 500, seen) and pl.fit(1, 500) is None
+    # one that does: ask fit again
+    pl.give_back("n2", 1, 900)
+    assert not pl.still_none(1, 500, seen) and pl.fit(1, 500) == "n2"
+
+
+def test_a_miss_past_the_lookahead_is_not_exact() -> None:
+    # five nodes with the tokens and no slot, five with slots and too few tokens, and one that
+    # has both but comes after them in either order: both walks give up before reaching it
+    pl = Placement()
+    a = [f"a{i}" for i in range(5)]
+    b = [f"b{i}" for i in range(5)]
+    shares = {**dict.fromkeys(a, 1), **dict.fromkeys(b, 2), "c": 2}
+    pl.apply(shares, None, dict.fromkeys(shares, 1000))
+    for n in a:
+        pl.take(n, 1, 100)  # 0 slots, 900 tokens free
+    for n in b:
+        pl.take(n, 0, 950)  # 2 slots, 50 tokens free
+    pl.take("c", 1, 800)  # 1 slot, 200 tokens free
+    assert pl.fit(1, 100) is None and not pl.exact
+
+
+def test_still_none_forgets_across_share_changes_and_many_releases() -> None:
+    pl = _pooled(2, 2, 1000)
+    pl.take("n0", 2, 100)
+    pl.take("n1", 2, 100)
+    seen = pl.raises
+    pl.apply({"n0": 4}, None, {"n0": 1000})  # room changed in a way not noted per node
+    assert not pl.still_none(1, 1, seen)
+    seen = pl.raises
+    assert pl.still_none(1, 1, seen)
+    for _ in range(40):
+        pl.take("n1", 1, 0)
+        pl.give_back("n1", 1, 0)
+    assert pl.raises - seen == 40 and pl.still_none(3, 1, seen)
+    for _ in range(40):
+        pl.take("n1", 1, 0)
+        pl.give_back("n1", 1, 0)
+    assert len(pl.raised) <= 64 and not pl.still_none(3, 1, seen)  # no longer all known
