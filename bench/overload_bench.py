@@ -240,7 +240,7 @@ def fleet_throughput(args: argparse.Namespace) -> float:
     conc = decode_concurrency(args)
     step_s = p.step_base_s + p.per_decode_seq_s * conc / len(DECODES)
     decode = conc / (mean_out * step_s)
-    chunk = 16384
+    chunk = args.max_prefill_tokens or 16384
     prefill_tok_s = chunk / (p.step_base_s + p.per_prefill_token_s * chunk) * len(PREFILLS)
     prefill = prefill_tok_s / (mean_in * (2 / 3))
     if DECODE_KV_TOKENS is not None and args.engines == "sized":
@@ -396,6 +396,8 @@ def engine_args(args: argparse.Namespace, role: str, vllm: bool) -> dict[str, An
     }
     if CONTEXT_LENGTH is not None:
         a["context_length"] = CONTEXT_LENGTH
+    if args.max_prefill_tokens:
+        a["max_prefill_tokens"] = args.max_prefill_tokens
     if role == "decode" and DECODE_KV_TOKENS is not None:
         a["max_total_tokens"] = DECODE_KV_TOKENS
     return a
@@ -1065,6 +1067,13 @@ def main() -> None:
         "and the engine's own max_running_requests; default-70b: the same for the 70B TP4 profile",
     )
     p.add_argument("--fleet", default="2x2", help="prefill x decode engines (default 2x2)")
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=0,
+        help="prefill tokens per engine step (pdsim's default 16384 when 0; SGLang's chunked_prefill_size "
+        "and vLLM's max_num_batched_tokens default to 8192 on an H100)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
         "--repeats",
@@ -1239,6 +1248,7 @@ def main() -> None:
             "decode": DECODES,
             "decode_kv_tokens": DECODE_KV_TOKENS or PROFILES[PROFILE].default_max_total_tokens,
             "context_length": CONTEXT_LENGTH or PROFILES[PROFILE].context_length,
+            "max_prefill_tokens": args.max_prefill_tokens or 16384,
             "max_input_tokens": MAX_INPUT,
             "slo_ttft_s": SLO_TTFT_S,
             "slo_tpot_s": SLO_TPOT_S,
