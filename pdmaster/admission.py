@@ -41,6 +41,7 @@ while after such a pause, so those ends are seen before anything else is placed 
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -930,9 +931,14 @@ class AdmissionCore:
         q.add(t)
         if t.slots > 1:
             self._gangs.push(t.slots, t)
-        if t.tokens:
-            self._queued_tokens += t.tokens
-            self._token_heap.push(t.tokens, t)
+        k = t.tokens
+        if k:
+            self._queued_tokens += k
+            th = self._token_heap  # SizeHeap.push, inlined
+            th.n += 1
+            heapq.heappush(th.heap, (-k, t.id, t))
+            if len(th.heap) > 2 * th.n + 64:
+                th.compact()
         if t.session_id is None:
             q.push_head(t)
             return
@@ -1075,7 +1081,13 @@ class AdmissionCore:
         while self._queued_n:
             if self._now < self._hold_until:
                 return
-            free, node = pl.top_free()
+            fh = pl.free_heap  # Placement.top_free, inlined for a live top
+            node: str | None
+            if fh and pl.node_ver.get((e := fh[0])[1]) == e[2]:
+                free = -e[0]
+                node = e[1]
+            else:
+                free, node = pl.top_free()
             if free <= 0 or node is None:
                 self._idle_ver = pl.ver
                 return

@@ -93,8 +93,12 @@ class SizeHeap:
         self.n += 1
         heapq.heappush(self.heap, (-size, t.id, t))
         if len(self.heap) > 2 * self.n + 64:
-            self.heap = [e for e in self.heap if e[2].state is _QUEUED]
-            heapq.heapify(self.heap)
+            self.compact()
+
+    def compact(self) -> None:
+        """Drop the entries of tickets that left the queue."""
+        self.heap = [e for e in self.heap if e[2].state is _QUEUED]
+        heapq.heapify(self.heap)
 
     def over(self, limit: float) -> Iterator[Ticket]:
         """Pop and yield the queued tickets larger than ``limit``, largest first. The caller takes

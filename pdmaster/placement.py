@@ -128,7 +128,6 @@ class Placement:
 
     __slots__ = (
         "_full_counts",
-        "_node_ver",
         "_poolless_counts",
         "_share_counts",
         "_tfull_counts",
@@ -144,6 +143,7 @@ class Placement:
         "max_full",
         "max_share",
         "max_tfull",
+        "node_ver",
         "pooled_active_tokens",
         "raised",
         "raises",
@@ -185,7 +185,7 @@ class Placement:
         # token share, or inf while a node without a pool is held (no token limit there).
         self.token_limit: float = math.inf
         # heaps
-        self._node_ver: dict[str, int] = {}
+        self.node_ver: dict[str, int] = {}
         self.ver = 0  # grows with every change of any node's free room (a touch)
         self.free_heap: list[_Entry] = []  # every node: (-free slots, node, ver)
         self.token_heap: list[_Entry] = []  # nodes with a pool: (-free tokens, node, ver)
@@ -255,7 +255,7 @@ class Placement:
     def top_free(self) -> tuple[int, str | None]:
         """The node with the most free slots and how many (0, None: no node)."""
         h = self.free_heap
-        nv = self._node_ver
+        nv = self.node_ver
         while h:
             e = h[0]
             if nv.get(e[1]) == e[2]:
@@ -265,13 +265,13 @@ class Placement:
 
     def top_free_avoiding(self, avoid: frozenset[str]) -> tuple[int, str | None]:
         """The node with the most free slots outside ``avoid`` (see :func:`_top`)."""
-        return _top(self.free_heap, self._node_ver, avoid)
+        return _top(self.free_heap, self.node_ver, avoid)
 
     def fit(self, slots: int, tokens: int, avoid: frozenset[str] = NO_AVOID) -> str | None:
         """The node a lease of ``slots`` and ``tokens`` goes to now, outside ``avoid``; None: none of
         the nodes checked has the room (see the module), and then :attr:`exact` says whether no node
         outside ``avoid`` has it at all."""
-        nv = self._node_ver
+        nv = self.node_ver
         tshares = self.tshares
         if not tshares:  # no pool anywhere: slots alone, the top of the slot heap
             f, node = _top(self.free_heap, nv, avoid) if avoid else self.top_free()
@@ -321,7 +321,7 @@ class Placement:
         """The node without a pool with the most free slots, if it has ``slots`` free (no node with
         a pool has the room)."""
         tshares = self.tshares
-        node, self.exact = _first(self.free_heap, self._node_ver, avoid, slots, lambda n: n not in tshares)
+        node, self.exact = _first(self.free_heap, self.node_ver, avoid, slots, lambda n: n not in tshares)
         return node
 
     def still_none(self, slots: int, tokens: int, seen: int) -> bool:
@@ -357,23 +357,23 @@ class Placement:
         """``node``'s free room changed: fresh heap entries (or none, once nothing is held there)."""
         self.ver += 1  # global, so a node that leaves and comes back never revives stale entries
         ver = self.ver
-        self._node_ver[node] = ver
+        self.node_ver[node] = ver
         if node not in self.shares and not self.active.get(node):
             self.active.pop(node, None)
             self.tactive.pop(node, None)
-            self._node_ver.pop(node, None)
+            self.node_ver.pop(node, None)
         else:
             free = self.shares.get(node, 0) - self.active.get(node, 0)
             heapq.heappush(self.free_heap, (-free, node, ver))
             ts = self.tshares.get(node)
             if ts is not None:
                 heapq.heappush(self.token_heap, (self.tactive.get(node, 0) - ts, node, ver))
-        most = 4 * len(self._node_ver) + 64
+        most = 4 * len(self.node_ver) + 64
         if len(self.free_heap) > most or len(self.token_heap) > most:
             self._compact()
 
     def _compact(self) -> None:
-        nv = self._node_ver
+        nv = self.node_ver
         self.free_heap = [e for e in self.free_heap if nv.get(e[1]) == e[2]]
         heapq.heapify(self.free_heap)
         self.token_heap = [e for e in self.token_heap if nv.get(e[1]) == e[2]]
@@ -399,7 +399,7 @@ class Placement:
                 return
             # touch(), inlined: fresh entries in both heaps
             self.ver += 1
-            nv = self._node_ver
+            nv = self.node_ver
             nv[node] = ver = self.ver
             fh = self.free_heap
             heapq.heappush(fh, (active - share, node, ver))
@@ -412,9 +412,9 @@ class Placement:
             return
         # No pool anywhere and no tokens: touch(), inlined (on every decision's path).
         self.ver += 1
-        self._node_ver[node] = ver = self.ver
+        self.node_ver[node] = ver = self.ver
         heapq.heappush(self.free_heap, (active - (share or 0), node, ver))
-        if len(self.free_heap) > 4 * len(self._node_ver) + 64:
+        if len(self.free_heap) > 4 * len(self.node_ver) + 64:
             self._compact()
 
     def give_back(self, node: str | None, slots: int, tokens: int = 0) -> None:
@@ -436,7 +436,7 @@ class Placement:
             else:
                 # touch(), inlined: fresh entries in both heaps
                 self.ver += 1
-                nv = self._node_ver
+                nv = self.node_ver
                 nv[node] = ver = self.ver
                 fh = self.free_heap
                 heapq.heappush(fh, (active - share, node, ver))
@@ -457,9 +457,9 @@ class Placement:
             return
         # A node with a share and no pool anywhere: touch(), inlined (on every release's path).
         self.ver += 1
-        self._node_ver[node] = ver = self.ver
+        self.node_ver[node] = ver = self.ver
         heapq.heappush(self.free_heap, (active - share, node, ver))
-        if len(self.free_heap) > 4 * len(self._node_ver) + 64:
+        if len(self.free_heap) > 4 * len(self.node_ver) + 64:
             self._compact()
 
     def apply(
