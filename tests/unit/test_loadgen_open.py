@@ -536,7 +536,7 @@ def test_trace_input_range_and_overasking_clients(tmp_path: Path) -> None:
             "2000-4000",
             "--ask-max-tokens",
             "64",
-        ]  # fmt: skip
+        ]
     )
     arrivals, info = open_arrivals(args)
     # the rate is the selected requests': 3 of them over the trace's 0.5 s span at 3 req/s
