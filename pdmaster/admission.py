@@ -656,6 +656,7 @@ class AdmissionCore:
         lead_s: float = 0.0,
         at_once: bool = False,
         tokens: int = 0,
+        backlog_s: float = 0.0,
     ) -> Ticket:
         """Ask for ``slots`` slots on one node. The ticket comes back granted, queued or rejected.
 
@@ -672,7 +673,11 @@ class AdmissionCore:
 
         ``lead_s``: what the request will still wait after its grant before its first token; added
         to its expected wait where that is checked against its class's target (0: a pure wait target),
-        and taken off the wait it may queue for (at least ``MIN_TARGET_WAIT_S``).
+        and taken off the wait it may queue for (at least ``MIN_TARGET_WAIT_S``). ``backlog_s``: the part
+        of ``lead_s`` that is other requests' prefill queued ahead of it. An arrival that could run at
+        once is never refused for its own prefill, however long, but it is (``expected_wait``) when the
+        backlog ahead of it is what puts its first token past the target: admitting it would only
+        lengthen that backlog for everyone behind it (DESIGN §13, prefill in tokens).
 
         A request retried after an engine failed it is *resubmitted*: ``avoid`` names the nodes it
         is never placed on, ``deadline`` (the clock's time base) the absolute deadline it keeps from
@@ -714,7 +719,7 @@ class AdmissionCore:
             self._end()
             return t
         target = self._targets[rc]
-        if target != math.inf and (wait := self._over_target(t, s, target, lead_s)) is not None:
+        if target != math.inf and (wait := self._over_target(t, s, target, lead_s, backlog_s)) is not None:
             return self._refuse(t, EXPECTED_WAIT, self._retry_hint(wait))
         est = self._estimate
         bound = (
@@ -761,13 +766,17 @@ class AdmissionCore:
         self._end()
         return t
 
-    def _over_target(self, t: Ticket, s: Session | None, target: float, lead_s: float) -> float | None:
+    def _over_target(
+        self, t: Ticket, s: Session | None, target: float, lead_s: float, backlog_s: float = 0.0
+    ) -> float | None:
         """The arrival's expected wait (plus ``lead_s``) when that exceeds ``target`` and it could not
-        run right now."""
+        run right now; or, when it could, ``lead_s`` when the prefill backlog ahead of it
+        (``backlog_s``) is what puts it past ``target``."""
         if s is None and not self._bf.reserved and self._fit(t) is not None:
             # After every call nothing queued fits the free slots (or a gang is being backfilled),
-            # so this arrival runs at once: never refuse it.
-            return None
+            # so this arrival runs at once: refuse it only for the prefills queued ahead of it.
+            late = self.later_wait_s + lead_s
+            return late if backlog_s > 0.0 and late > target and late - backlog_s <= target else None
         wait = self.expected_wait(t.request_class, t.slots, self._now, t.tokens)
         if wait is not None:
             wait += self.later_wait_s + lead_s

@@ -171,7 +171,17 @@ class Lease:
 
 class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
     # A plain class rather than @asynccontextmanager: no generator frame kept alive per waiter.
-    __slots__ = ("_args", "_at_once", "_avoid", "_controller", "_deadline", "_lead_s", "_lease", "_tokens")
+    __slots__ = (
+        "_args",
+        "_at_once",
+        "_avoid",
+        "_backlog_s",
+        "_controller",
+        "_deadline",
+        "_lead_s",
+        "_lease",
+        "_tokens",
+    )
 
     def __init__(
         self,
@@ -184,7 +194,9 @@ class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
         lead_s: float = 0.0,
         at_once: bool = False,
         tokens: int = 0,
+        backlog_s: float = 0.0,
     ) -> None:
+        self._backlog_s = backlog_s
         self._at_once = at_once
         self._tokens = tokens
         self._controller = controller
@@ -202,6 +214,7 @@ class _LeaseContext(contextlib.AbstractAsyncContextManager[Lease]):
             lead_s=self._lead_s,
             at_once=self._at_once,
             tokens=self._tokens,
+            backlog_s=self._backlog_s,
         )
         return self._lease
 
@@ -264,6 +277,7 @@ class AdmissionController:
         lead_s: float = 0.0,
         at_once: bool = False,
         tokens: int = 0,
+        backlog_s: float = 0.0,
     ) -> contextlib.AbstractAsyncContextManager[Lease]:
         """``async with controller.acquire(n, cls, session) as lease:`` — the lease is released on exit.
 
@@ -272,7 +286,9 @@ class AdmissionController:
         only room free now ``at_once``, and a request's KV-token charge ``tokens`` (a retry passes
         it again): see ``AdmissionCore.submit``.
         """
-        return _LeaseContext(self, slots, request_class, session_id, avoid, deadline, lead_s, at_once, tokens)
+        return _LeaseContext(
+            self, slots, request_class, session_id, avoid, deadline, lead_s, at_once, tokens, backlog_s
+        )
 
     async def acquire_lease(
         self,
@@ -285,6 +301,7 @@ class AdmissionController:
         lead_s: float = 0.0,
         at_once: bool = False,
         tokens: int = 0,
+        backlog_s: float = 0.0,
     ) -> Lease:
         """Wait for a lease; the caller must release it (prefer ``acquire``)."""
         core = self.core
@@ -297,6 +314,7 @@ class AdmissionController:
             lead_s=lead_s,
             at_once=at_once,
             tokens=tokens,
+            backlog_s=backlog_s,
         )
         queued = t.state is TicketState.QUEUED
         self._apply(core.last_changes, t if queued else None)

@@ -191,7 +191,8 @@ class RequestPipeline:
         spill = self.spill if self.spill is not None and self.spill.wanted(ctx.request) else None
         try:
             assert ctx.request_class is not None
-            if spill is not None and self.admission.misses_target(ctx.request_class, self._lead(ctx)):
+            lead_s, backlog_s = self._leads(ctx)
+            if spill is not None and self.admission.misses_target(ctx.request_class, lead_s):
                 # Its prefill alone breaks its time-to-first-token target: a peer's free slot would
                 # serve it late. As with one master, it runs here if it can start now, or is refused.
                 spill = None
@@ -217,9 +218,10 @@ class RequestPipeline:
                         session_id=ctx.session_id,
                         avoid=failed,
                         deadline=deadline,
-                        lead_s=self._lead(ctx),
+                        lead_s=0.0 if ctx.retries else lead_s,
                         at_once=ctx.from_peer,  # only room free now (pdmaster/spill.py)
                         tokens=ctx.tokens,
+                        backlog_s=0.0 if ctx.retries else backlog_s,
                     ) as lease:
                         ctx.lease = lease
                         if self._staged is None and lease.node in failed:
@@ -301,14 +303,19 @@ class RequestPipeline:
             ctx.metrics.duration.observe(time.perf_counter() - ctx.arrived)
 
     # -- the prefill's share of the time to first token --------------------------------------------
-    def _lead(self, ctx: RequestContext) -> float:
-        """The expected time from grant to first output: the prefill time of the tokens ahead of the
-        request's last one where that is least (the node routing will choose)."""
+    def _leads(self, ctx: RequestContext) -> tuple[float, float]:
+        """The expected time from grant to first output (the prefill time of the tokens ahead of the
+        request's last one where that is least: the node routing will choose), and the part of it
+        that is other requests' prefill queued ahead (less what its own uncached tokens would take
+        on an idle node)."""
         pt = self.prefill_time
         if pt is None or ctx.retries or ctx.estimate is None:
-            return 0.0
-        ahead = self.router.least_ahead(ctx.estimate, ctx.prompt_tokens)
-        return 0.0 if ahead is None else pt.predict(ahead)
+            return 0.0, 0.0
+        least = self.router.least_ahead(ctx.estimate, ctx.prompt_tokens)
+        if least is None:
+            return 0.0, 0.0
+        lead = pt.predict(least[0])
+        return lead, max(0.0, lead - pt.predict(least[1]))
 
     def _routed(self, ctx: RequestContext, prefill: Node) -> None:
         """``prefill`` takes the request: its uncached tokens join that node's backlog until its first

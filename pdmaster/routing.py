@@ -215,12 +215,16 @@ class Router:
         request's uncached part there."""
         return self.backlog(node) + self.uncached(node, estimate, prompt_tokens)
 
-    def least_ahead(self, estimate: PrefixEstimate[str], prompt_tokens: int) -> int | None:
-        """``tokens_ahead`` on the live prefill node where it is least (None: no prefill node)."""
-        nodes = self.registry.live(PREFILL)
-        if not nodes:
-            return None
-        return min(self.tokens_ahead(n, estimate, prompt_tokens) for n in nodes)
+    def least_ahead(self, estimate: PrefixEstimate[str], prompt_tokens: int) -> tuple[int, int] | None:
+        """``tokens_ahead`` on the live prefill node where it is least, and of those the request's
+        own uncached tokens there (None: no prefill node)."""
+        best: tuple[int, int] | None = None
+        for n in self.registry.live(PREFILL):
+            own = self.uncached(n, estimate, prompt_tokens)
+            ahead = self.backlog(n) + own
+            if best is None or ahead < best[0]:
+                best = (ahead, own)
+        return best
 
     def prefill(
         self, estimate: PrefixEstimate[str], exclude: Collection[str] = (), prompt_tokens: int = 0

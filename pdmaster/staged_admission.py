@@ -195,6 +195,7 @@ class StagedAdmission(AdmissionController):
         lead_s: float = 0.0,
         at_once: bool = False,
         tokens: int = 0,
+        backlog_s: float = 0.0,
     ) -> contextlib.AbstractAsyncContextManager[Lease]:
         """``async with admission.acquire(...) as gate_pass``: the first stage (see the module)."""
         return _PassContext(
@@ -205,6 +206,7 @@ class StagedAdmission(AdmissionController):
             lead_s=lead_s,
             at_once=at_once,
             tokens=tokens,
+            backlog_s=backlog_s,
         )
 
     async def acquire_pass(
@@ -218,6 +220,7 @@ class StagedAdmission(AdmissionController):
         lead_s: float = 0.0,
         at_once: bool = False,
         tokens: int = 0,
+        backlog_s: float = 0.0,
     ) -> GatePass:
         """A gate pass, or AdmissionRejected; refused at once what the decode stage would refuse.
         ``tokens``: the request's KV-token charge, taken by its decode lease (the gate's pseudo node
@@ -245,6 +248,7 @@ class StagedAdmission(AdmissionController):
                 lead_s=lead_s,
                 at_once=at_once,
                 tokens=tokens,
+                backlog_s=backlog_s,
             )
         )
 

@@ -418,3 +418,22 @@ def test_a_request_whose_prefill_alone_breaks_its_target_misses_it_even_now() ->
         AdmissionPolicy(target_wait_s=targets(1.3, 1.8, 1.8)), registry=CollectorRegistry()
     )
     assert ctl.misses_target(COLD, 1.9) and not ctl.misses_target(COLD, 1.7)
+
+
+def test_a_request_that_could_run_now_is_refused_for_the_prefill_backlog_ahead_of_it() -> None:
+    """Prefill in tokens (DESIGN §13): free decode room does not make a request's first token come in
+    time when other prompts queue at the prefill engines ahead of it. Its own prefill never refuses it;
+    the backlog does, once it is what breaks the target."""
+    clock = Clock()
+    idle = make(clock, 2.0, capacity=8)
+    warm(idle, clock, hold=10.0)
+    # 3 s of prefill, all its own (an idle prefill node): it runs, however long its prefill
+    assert idle.submit(1, COLD, lead_s=3.0, backlog_s=0.0).state is G
+    # 1 s of its own behind 1.5 s of others' prompts: past the target because of them
+    late = idle.submit(1, COLD, lead_s=2.5, backlog_s=1.5)
+    assert late.state is R and late.reason is not None and late.reason.code == EXPECTED_WAIT
+    assert late.reason.retry_after_s == pytest.approx(2.5, rel=0.01)
+    # within the target with the backlog: it runs
+    assert idle.submit(1, COLD, lead_s=1.9, backlog_s=1.5).state is G
+    # a backlog on top of an own prefill that alone breaks the target: not the backlog's doing
+    assert idle.submit(1, COLD, lead_s=4.0, backlog_s=0.5).state is G

@@ -24,7 +24,7 @@ def test_a_cache_hit_counts_as_the_tokens_it_saves() -> None:
     assert router.uncached(p1, est, 1000) == 0 and router.uncached(p2, est, 1000) == 1000
     assert router.tokens_ahead(p1, est, 1000) == 100
     assert router.prefill(est, prompt_tokens=1000) is p1  # 100 ahead against 1000
-    assert router.least_ahead(est, 1000) == 100
+    assert router.least_ahead(est, 1000) == (100, 0)
     # once its backlog outweighs the hit, the idle node wins
     router.routed(p1, hashes, 2000)
     assert router.prefill(est, prompt_tokens=1000) is p2
