@@ -91,7 +91,7 @@ def build_parser() -> EnvArgumentParser:
         "--max-total-tokens",
         type=positive_int,
         default=None,
-        help="KV pool size in tokens (default N*1024; with --profile, the profile's pool; "
+        help="KV pool size in tokens (default N x the context length; with --profile, the profile's pool; "
         "--api vllm rounds it down to whole blocks of 16)",
     )
     p.add_argument(
@@ -254,7 +254,10 @@ def sizes_from_args(args: argparse.Namespace, model_mode: ModelMode | None) -> S
         if not args.running_max_req_size:
             raise ValueError("--running-max-req-size is required (>= 1) without --profile")
         cap = args.running_max_req_size
-        return Sizes(cap, args.max_total_tokens or cap * 1024, args.context_length or 32768)
+        context = args.context_length or 32768
+        # Timer mode models no KV pool of its own: by default it publishes one that holds every slot
+        # at the full context, so that a master's token charges never bind there unless a test asks.
+        return Sizes(cap, args.max_total_tokens or cap * context, context)
     profile = model_mode.profile
     pool = args.max_total_tokens or profile.default_max_total_tokens
     if args.api == "vllm":
