@@ -397,6 +397,7 @@ class AdmissionController:
                 "samples": pt.samples,
                 "base_s": None if line is None else round(line[0], 4),
                 "s_per_uncached_block": None if line is None else round(line[1], 6),
+                "miss_s": round(pt.miss_s, 4),
             }
         return snap
 

@@ -20,27 +20,40 @@ that node's next request at once instead of some dozens of requests later, and r
 elsewhere. It predicts 0 (the target stays a pure wait target) until it has seen ``MIN_SAMPLES``
 requests, never less than 0, and falls back to the mean when every recent prompt had the same size.
 
+The tail. The line is a mean: half the requests it admits at the edge of the target take longer than it
+says, and the SLO is held at a high percentile. So the prediction admission uses adds ``spread`` times the
+spread of the line's recent misses (each observation against the line as it stood before it, weighted as
+the line is): where prefill times scatter (long prompts queued behind each other), the margin grows; where
+the line fits, it vanishes.
+
 Pure and clock-free: the pipeline feeds it durations it measured.
 """
 
 from __future__ import annotations
 
-__all__ = ["MIN_SAMPLES", "PrefillTime"]
+import math
+
+__all__ = ["MIN_SAMPLES", "SPREAD", "PrefillTime"]
 
 MIN_SAMPLES = 8  # requests seen before a prediction counts
+SPREAD = 1.3  # standard deviations of the line's misses added to its prediction (about a 90th percentile)
 
 
 class PrefillTime:
     """Exponentially weighted least squares of time-to-first-token after admission on uncached blocks."""
 
-    __slots__ = ("_n", "_sw", "_sx", "_sxx", "_sxy", "_sy", "weight")
+    __slots__ = ("_miss", "_mw", "_n", "_sw", "_sx", "_sxx", "_sxy", "_sy", "spread", "weight")
 
-    def __init__(self, weight: float = 0.02) -> None:
+    def __init__(self, weight: float = 0.02, spread: float = SPREAD) -> None:
         if not 0 < weight <= 1:
             raise ValueError("weight must be within (0, 1]")
+        if not spread >= 0:
+            raise ValueError("spread must be at least 0")
         self.weight = weight  # of the newest observation
+        self.spread = spread
         self._n = 0
         self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._miss = self._mw = 0.0  # weighted square misses of the line as it stood, and their weight
 
     @property
     def samples(self) -> int:
@@ -51,6 +64,10 @@ class PrefillTime:
         if not (blocks >= 0 and seconds >= 0):
             return
         keep = 1.0 - self.weight
+        if (ab := self.line()) is not None:
+            miss = seconds - ab[0] - ab[1] * blocks
+            self._miss = self._miss * keep + miss * miss
+            self._mw = self._mw * keep + 1.0
         self._sw = self._sw * keep + 1.0
         self._sx = self._sx * keep + blocks
         self._sy = self._sy * keep + seconds
@@ -70,9 +87,15 @@ class PrefillTime:
         b = max(0.0, (self._sxy / w - mx * my) / var)
         return my - b * mx, b
 
+    @property
+    def miss_s(self) -> float:
+        """The spread (root mean square) of the line's recent misses, in seconds."""
+        return math.sqrt(self._miss / self._mw) if self._mw > 0.0 else 0.0
+
     def predict(self, blocks: float) -> float:
-        """Expected seconds from grant to first output for a prompt with ``blocks`` uncached blocks."""
+        """Seconds from grant to first output for a prompt with ``blocks`` uncached blocks: the line plus
+        ``spread`` times its recent misses, so that most requests take no longer."""
         ab = self.line()
         if ab is None:
             return 0.0
-        return max(0.0, ab[0] + ab[1] * blocks)
+        return max(0.0, ab[0] + ab[1] * blocks + self.spread * self.miss_s)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pdmaster.prefill_time import MIN_SAMPLES, PrefillTime
@@ -51,3 +53,27 @@ def test_it_never_predicts_less_than_zero_and_ignores_nonsense() -> None:
     assert pt.samples == n
     with pytest.raises(ValueError):
         PrefillTime(weight=0)
+
+
+def test_scattered_prefill_times_add_a_margin_for_the_tail() -> None:
+    """The SLO is held at a high percentile: where times scatter about the line, the prediction is the
+    line plus a margin that most of them stay under; where they fit it, no margin."""
+    rng = random.Random(7)
+    fitting, mean_only, with_margin = PrefillTime(), PrefillTime(spread=0.0), PrefillTime()
+    over_mean = over_margin = 0
+    for i in range(3000):
+        tokens = rng.randrange(300)
+        fitting.observe(tokens, 0.1 + 0.001 * tokens)
+        took = 0.1 + 0.001 * tokens + rng.gauss(0.0, 0.2)
+        if i >= 500:  # after a warm-up, how often the time exceeds what was predicted for it
+            over_mean += took > mean_only.predict(tokens)
+            over_margin += took > with_margin.predict(tokens)
+        mean_only.observe(tokens, took)
+        with_margin.observe(tokens, took)
+    assert fitting.miss_s == pytest.approx(0.0, abs=1e-9)
+    assert fitting.predict(100) == pytest.approx(0.2, rel=1e-6)  # no margin where the line fits
+    assert with_margin.miss_s == pytest.approx(0.2, rel=0.25)
+    assert 0.4 < over_mean / 2500 < 0.6  # a mean: half the requests take longer
+    assert over_margin / 2500 < 0.15  # with the margin: about one in ten
+    with pytest.raises(ValueError):
+        PrefillTime(spread=-1)
