@@ -40,7 +40,7 @@ SPREAD = 1.3  # standard deviations of the line's misses added to its prediction
 
 
 class PrefillTime:
-    """Exponentially weighted least squares of time-to-first-token after admission on uncached blocks."""
+    """Exponentially weighted least squares of the time to first output in the prompt tokens ahead."""
 
     __slots__ = ("_miss", "_mw", "_n", "_sw", "_sx", "_sxx", "_sxy", "_sy", "spread", "weight")
 
@@ -59,24 +59,24 @@ class PrefillTime:
     def samples(self) -> int:
         return self._n
 
-    def observe(self, blocks: float, seconds: float) -> None:
-        """One served request: its uncached prompt blocks and the seconds from grant to first output."""
-        if not (blocks >= 0 and seconds >= 0):
+    def observe(self, tokens: float, seconds: float) -> None:
+        """One served request: the prompt tokens ahead of its last one; seconds from grant to first output."""
+        if not (tokens >= 0 and seconds >= 0):
             return
         keep = 1.0 - self.weight
         if (ab := self.line()) is not None:
-            miss = seconds - ab[0] - ab[1] * blocks
+            miss = seconds - ab[0] - ab[1] * tokens
             self._miss = self._miss * keep + miss * miss
             self._mw = self._mw * keep + 1.0
         self._sw = self._sw * keep + 1.0
-        self._sx = self._sx * keep + blocks
+        self._sx = self._sx * keep + tokens
         self._sy = self._sy * keep + seconds
-        self._sxx = self._sxx * keep + blocks * blocks
-        self._sxy = self._sxy * keep + blocks * seconds
+        self._sxx = self._sxx * keep + tokens * tokens
+        self._sxy = self._sxy * keep + tokens * seconds
         self._n += 1
 
     def line(self) -> tuple[float, float] | None:
-        """(a, b): seconds = a + b * blocks; None before MIN_SAMPLES observations."""
+        """(a, b): seconds = a + b * tokens; None before MIN_SAMPLES observations."""
         if self._n < MIN_SAMPLES:
             return None
         w = self._sw
@@ -92,10 +92,10 @@ class PrefillTime:
         """The spread (root mean square) of the line's recent misses, in seconds."""
         return math.sqrt(self._miss / self._mw) if self._mw > 0.0 else 0.0
 
-    def predict(self, blocks: float) -> float:
-        """Seconds from grant to first output for a prompt with ``blocks`` uncached blocks: the line plus
-        ``spread`` times its recent misses, so that most requests take no longer."""
+    def predict(self, tokens: float) -> float:
+        """Seconds from grant to first output for a request with ``tokens`` prompt tokens ahead of its last
+        one: the line plus ``spread`` times its recent misses, so that most requests take no longer."""
         ab = self.line()
         if ab is None:
             return 0.0
-        return max(0.0, ab[0] + ab[1] * blocks + self.spread * self.miss_s)
+        return max(0.0, ab[0] + ab[1] * tokens + self.spread * self.miss_s)
